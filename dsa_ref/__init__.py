@@ -1,0 +1,48 @@
+"""dsa_ref: a readable reference implementation and correctness oracle for DeepSeek Sparse Attention.
+
+The functional oracle API (names and semantics fixed; see the Conventions page):
+
+* `sparse_mla`, `dense_mla_attention` -- absorbed-MLA attention over selected keys / over the window;
+* `lightning_indexer`, `topk_indices` -- the indexer scores and the canonical top-k;
+* `indexer_loss` -- the KL loss of both training stages;
+* `key_windows`, `positions`, `cp_shard_index`, `window_mask` -- the token layout all masks come from.
+
+The modules: `MLA`, `AbsorbedMLA`, `LightningIndexer`, `DSAttention`.
+"""
+
+from .absorbed_mla import AbsorbedMLA
+from .attention import dense_mla_attention
+from .config import DSAConfig, IndexerConfig, MLAConfig, RopeConfig, deepseek_v32, tiny
+from .dsa import DSAOutput, DSAttention, IndexerLossAutoScaler, set_indexer_loss_scale
+from .indexer import LightningIndexer, lightning_indexer, topk_indices
+from .indexer_loss import indexer_loss
+from .layout import cp_shard_index, key_windows, positions, window_mask
+from .mla import MLA
+from .sparse_attention import sparse_mla
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbsorbedMLA",
+    "DSAConfig",
+    "DSAOutput",
+    "DSAttention",
+    "IndexerConfig",
+    "IndexerLossAutoScaler",
+    "LightningIndexer",
+    "MLA",
+    "MLAConfig",
+    "RopeConfig",
+    "cp_shard_index",
+    "deepseek_v32",
+    "dense_mla_attention",
+    "indexer_loss",
+    "key_windows",
+    "lightning_indexer",
+    "positions",
+    "set_indexer_loss_scale",
+    "sparse_mla",
+    "tiny",
+    "topk_indices",
+    "window_mask",
+]

@@ -1,0 +1,189 @@
+r"""Softmax attention over key windows, with its log-sum-exp, chunked over queries.
+
+This is the attention core every chapter shares. For query ``t`` and head ``h``:
+
+$$
+\mathrm{lse}_{t,h} = \log \sum_{s \in W_t} e^{\,\sigma\, q_{t,h} \cdot k_s}, \qquad
+o_{t,h} = \sum_{s \in W_t} e^{\,\sigma\, q_{t,h} \cdot k_s - \mathrm{lse}_{t,h}}\; v_s
+$$
+
+where ``W_t = [starts[t], ends[t])`` is t's key window and ``sigma`` the softmax scale. A row with an
+empty window has ``o = 0`` and ``lse = -inf``, and produces no NaN in forward or backward.
+
+Memory: the scores of all heads for all queries, ``[T, H, S]``, are never held at once. Queries are
+processed in chunks, and each chunk runs under activation checkpointing, so autograd keeps only
+the chunk's inputs and recomputes its ``[chunk, H, S]`` scores in backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ._checks import (
+    accumulation_dtype,
+    check_dim,
+    check_float,
+    check_rank,
+    check_same_device,
+    check_scale,
+    check_windows,
+)
+
+#: Elements of the largest intermediate (e.g. a ``[chunk, H, S]`` score block) a chunk may hold.
+DEFAULT_CHUNK_ELEMENTS = 2**26
+
+
+def auto_chunk_size(num_rows: int, elements_per_row: int, chunk_size: int | None = None,
+                    budget: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else as many rows as fit in ``budget`` elements."""
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+        return chunk_size
+    return max(1, min(max(num_rows, 1), budget // max(elements_per_row, 1)))
+
+
+def run_chunked(fn: Callable[..., tuple[torch.Tensor, ...]], num_rows: int, chunk: int,
+                row_args: tuple[torch.Tensor | None, ...], shared_args: tuple[torch.Tensor, ...]
+                ) -> tuple[torch.Tensor, ...]:
+    """Apply ``fn(*row_chunk, *shared)`` to consecutive row chunks and concatenate the results.
+
+    ``row_args`` are sliced along dim 0 (``None`` stays ``None``); ``shared_args`` are passed whole.
+    When autograd is recording, each chunk runs under non-reentrant activation checkpointing, so its
+    intermediates are recomputed in backward instead of being kept for all chunks at once.
+    """
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*row_args, *shared_args)
+    )
+    outs = []
+    for lo in range(0, max(num_rows, 1), chunk):
+        hi = min(lo + chunk, num_rows)
+        args = tuple(None if t is None else t[lo:hi] for t in row_args) + tuple(shared_args)
+        if needs_grad and num_rows > chunk:
+            outs.append(checkpoint(fn, *args, use_reentrant=False))
+        else:
+            outs.append(fn(*args))
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
+
+
+def masked_softmax_with_lse(scores: torch.Tensor, valid: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim restricted to ``valid`` entries, and its log-sum-exp.
+
+    Args:
+        scores: float ``[..., K]`` (already scaled).
+        valid: bool, broadcastable to ``scores``; ``None`` means every entry is valid.
+
+    Returns:
+        ``(probs [..., K], lse [...])``. Invalid entries get probability 0; a row with no valid entry
+        gets all-zero probabilities and ``lse = -inf``; gradients stay finite (no ``0 * inf``).
+    """
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    # subtracting the row max (a constant, hence detached) changes nothing but avoids overflow
+    if scores.shape[-1] == 0:  # no keys at all: every row is empty (amax of nothing is undefined)
+        row_max = scores.new_zeros(scores.shape[:-1] + (1,))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()  # [..., 1]
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    unnormalised = torch.exp(scores - row_max)  # [..., K], exactly 0 where invalid
+    total = unnormalised.sum(dim=-1, keepdim=True)  # [..., 1]
+    nonempty = total > 0
+    safe_total = torch.where(nonempty, total, torch.ones_like(total))  # log/divide only where defined
+    probs = unnormalised / safe_total  # [..., K]
+    lse = torch.where(nonempty, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
+    return probs, lse.squeeze(-1)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
+                       starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+                       chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of every query over the keys of its window (MHA or MQA).
+
+    Args:
+        q: ``[T, H, D]`` queries.
+        k: ``[S, H, D]`` (one key per head, MHA) or ``[S, D]`` (one key shared by all heads, MQA).
+        v: ``[S, H, D_v]`` or ``[S, D_v]``, matching ``k``.
+        sm_scale: softmax scale (always explicit; see `dsa_ref.config.MLAConfig.softmax_scale`).
+        starts, ends: int ``[T]`` key windows in the keys' index space; both ``None`` = no mask.
+        chunk_size: queries per chunk; ``None`` picks one that bounds the score block.
+
+    Returns:
+        ``(out, lse)``: ``out [T, H, D_v]`` in q's dtype (accumulated in float32, float64 for
+        float64 inputs) and ``lse [T, H]`` (natural log) in the accumulation dtype.
+    """
+    check_float("q", q)
+    check_float("k", k)
+    check_float("v", v)
+    check_rank("q", q, 3, "[T, H, D]")
+    check_rank("k", k, (2, 3), "[S, D] or [S, H, D]")
+    check_rank("v", v, k.dim(), "[S, D_v]" if k.dim() == 2 else "[S, H, D_v]")
+    check_same_device(q=q, k=k, v=v, starts=starts, ends=ends)
+    T, H, D = q.shape
+    check_dim("k", k, -1, D, "q's head dim")
+    check_dim("v", v, 0, k.shape[0], "one value per key")
+    if k.dim() == 3:
+        check_dim("k", k, 1, H, "q's heads")
+        check_dim("v", v, 1, H, "q's heads")
+    sm_scale = check_scale("sm_scale", sm_scale)
+    windows = check_windows(starts, ends, T, k.shape[0])
+    starts, ends = windows if windows is not None else (None, None)
+
+    acc = accumulation_dtype(q)
+    S = k.shape[0]
+    chunk = auto_chunk_size(T, H * S, chunk_size)
+
+    def attend(q_c, starts_c, ends_c, k_, v_):
+        q_c, k_, v_ = q_c.to(acc), k_.to(acc), v_.to(acc)
+        if k_.dim() == 2:
+            scores = torch.einsum("thd,sd->ths", q_c, k_) * sm_scale  # [C, H, S]
+        else:
+            scores = torch.einsum("thd,shd->ths", q_c, k_) * sm_scale  # [C, H, S]
+        valid = None
+        if starts_c is not None:
+            key = torch.arange(S, device=q_c.device)  # [S]
+            valid = ((key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None]))[:, None, :]  # [C, 1, S]
+        probs, lse = masked_softmax_with_lse(scores, valid)  # [C, H, S], [C, H]
+        if v_.dim() == 2:
+            out = torch.einsum("ths,sv->thv", probs, v_)  # [C, H, D_v]
+        else:
+            out = torch.einsum("ths,shv->thv", probs, v_)  # [C, H, D_v]
+        return out.to(q.dtype), lse
+
+    return run_chunked(attend, T, chunk, (q, starts, ends), (k, v))
+
+
+def dense_mla_attention(q: torch.Tensor, kv: torch.Tensor, *, sm_scale: float, d_v: int = 512,
+                        starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+                        chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA attention over every key in the window: MQA over one latent KV head.
+
+    The keys are the latent rows ``kv`` (``[c_kv ; k_pe]``, 576 wide in DeepSeek-V3.2) and the
+    values are their first ``d_v`` channels (the latent ``c_kv``). `dsa_ref.sparse_mla` with every
+    window key selected must equal this.
+
+    Args:
+        q: ``[T, H, D]`` absorbed queries ``[q_nope @ W_UK ; q_pe]``.
+        kv: ``[S, D]`` latent rows (``[S, 1, D]`` accepted).
+        sm_scale: softmax scale; DeepSeek-V3.2 keeps ``192 ** -0.5 * mscale ** 2`` here, not ``576 ** -0.5``.
+        d_v: value width, the first ``d_v`` channels of ``kv`` (DeepSeek-V3.2: 512).
+        starts, ends: int ``[T]`` key windows; both ``None`` = every key visible (nothing is causal by default).
+        chunk_size: queries per chunk (memory bound only; the result does not depend on it).
+
+    Returns:
+        ``(out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32, float64 for float64 inputs``)``.
+    """
+    check_float("kv", kv)
+    if kv.dim() == 3:
+        check_dim("kv", kv, 1, 1, "one latent KV head; [S, 1, D] is accepted")
+        kv = kv[:, 0]  # [S, D]
+    check_rank("kv", kv, 2, "[S, D] or [S, 1, D]")
+    check_rank("q", q, 3, "[T, H, D]")
+    check_dim("kv", kv, -1, q.shape[-1], "q's head dim")
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= kv.shape[-1]:
+        raise ValueError(f"d_v must be an int in [1, D={kv.shape[-1]}], got {d_v!r}")
+    return windowed_attention(q, kv, kv[:, :d_v], sm_scale=sm_scale, starts=starts, ends=ends,
+                              chunk_size=chunk_size)

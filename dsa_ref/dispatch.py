@@ -1,0 +1,86 @@
+"""The one place where readable code may hand work to a fast kernel.
+
+`DSAttention` calls the operations below with a ``backend``:
+
+* ``"reference"`` -- always the readable PyTorch functions of chapters 1-3;
+* ``"tilelang"`` -- the TileLang kernels of `dsa_ref.kernels`; an error if they cannot run here;
+* ``"auto"`` -- the kernels when CUDA, tilelang and the shapes allow, else the reference. The reason
+  for a fallback is logged once, at debug level.
+
+Kernels declare support per call: a kernel function returns ``None`` to decline a shape, and the
+reference runs instead. The readable modules never import `dsa_ref.kernels` themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import indexer as _indexer
+from . import sparse_attention as _sparse
+
+BACKENDS = ("auto", "reference", "tilelang")
+_log = logging.getLogger("dsa_ref.dispatch")
+_said: set[str] = set()
+
+
+def check_backend(backend: str) -> str:
+    """Raise ValueError unless ``backend`` is one of `BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def kernels_available() -> tuple[bool, str]:
+    """Whether the TileLang kernels can run here, and why not."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    try:
+        from . import kernels
+    except ImportError as err:  # pragma: no cover - depends on the machine
+        return False, f"dsa_ref.kernels cannot be imported: {err}"
+    return kernels.available()
+
+
+def _run(op: str, backend: str, reference: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device):
+    check_backend(backend)
+    if backend == "reference":
+        return reference(*args, **kwargs)
+    if device.type != "cuda":
+        reason = f"inputs are on {device}, not CUDA"
+        ok = False
+    else:
+        ok, reason = kernels_available()
+    if ok:
+        from . import kernels
+
+        result = getattr(kernels, op)(*args, **kwargs)
+        if result is not None:
+            return result
+        reason = f"the {op} kernel declined these shapes"
+    if backend == "tilelang":
+        raise RuntimeError(f"backend='tilelang' was asked for {op}, but {reason}")
+    if op + reason not in _said:
+        _said.add(op + reason)
+        _log.debug("dsa_ref: %s falls back to the reference: %s", op, reason)
+    return reference(*args, **kwargs)
+
+
+def sparse_mla(q, kv, indices, *, sm_scale, d_v=512, backend="reference"):
+    """`dsa_ref.sparse_mla` through the chosen backend."""
+    return _run("sparse_mla", backend, _sparse.sparse_mla, (q, kv, indices),
+                dict(sm_scale=sm_scale, d_v=d_v), q.device)
+
+
+def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True, backend="reference"):
+    """`dsa_ref.lightning_indexer` through the chosen backend."""
+    return _run("lightning_indexer", backend, _indexer.lightning_indexer, (q, k, weights),
+                dict(starts=starts, ends=ends, relu=relu), q.device)
+
+
+def topk_indices(scores, topk, *, backend="reference"):
+    """`dsa_ref.topk_indices` through the chosen backend."""
+    return _run("topk_indices", backend, _indexer.topk_indices, (scores, topk), {}, scores.device)

@@ -1,0 +1,199 @@
+r"""Chapter 3, part 4: the DSA attention layer and its two training stages.
+
+`DSAttention` puts the pieces together for one layer, on packed tokens:
+
+1. MLA projections (chapter 1), absorbed into MQA over the latent (chapter 2);
+2. the lightning indexer scores every (query, key) pair of the window, from *detached* inputs;
+3. each query keeps its top-k keys;
+4. main attention: dense over the window (``stage="dense_warmup"``) or sparse over the selection
+   (``stage="sparse"``);
+5. the indexer KL loss against the main attention (detached), over the window or the selection.
+
+**Training stages** (DeepSeek-V3.2, section 2.1):
+
+* ``"dense_warmup"`` -- the main attention stays dense and the indexer learns to imitate it.
+  The KL gradient reaches only the indexer; freeze everything else by optimising only
+  `trainable_parameters` (the paper trains only the indexer here).
+* ``"sparse"`` -- the main attention uses the top-k keys, all parameters train: the main model
+  from the language-model loss, the indexer only from the sparse KL (its inputs are detached).
+
+**One backward for both losses.** The layer output passes through `IndexerLossAutoScaler`, an
+identity in forward whose backward also sends ``loss_scale`` as the gradient of the indexer loss.
+So ``lm_loss.backward()`` trains the indexer too, and ``loss_scale`` is where micro-batching
+(``1 / num_microbatches``) and gradient-averaging conventions enter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from . import dispatch
+from .absorbed_mla import AbsorbedMLA
+from .attention import dense_mla_attention
+from .config import DSAConfig
+from .indexer import LightningIndexer
+from .indexer_loss import indexer_loss
+from .layout import key_windows, positions
+from .mla import MLA, check_tokens, tokens_cu_seqlens
+
+__all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "set_indexer_loss_scale"]
+
+STAGES = ("dense_warmup", "sparse")
+
+
+class IndexerLossAutoScaler(torch.autograd.Function):
+    """Identity on the layer output that injects the indexer loss into the backward pass.
+
+    ``apply(output, loss, scale)`` returns ``output`` unchanged. In backward it passes the output
+    gradient through and gives ``loss`` the gradient ``scale`` -- as if ``scale * loss`` had been
+    added to the final loss -- so a training loop calls ``backward()`` once.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        scale = torch.as_tensor(ctx.scale, dtype=loss.dtype, device=loss.device)
+        return grad_output, torch.ones_like(loss) * scale, None
+
+
+class DSAOutput(NamedTuple):
+    """What `DSAttention` returns.
+
+    Attributes:
+        output: ``[T, dim]`` the layer output (carries the indexer-loss gradient, see the auto-scaler).
+        indexer_loss: the scalar KL loss of this call (for logging: ``.detach()`` it; do not add it
+            to the training loss again, the output already carries its gradient).
+        topk_indices: int64 ``[T, topk]`` the selection (``-1`` = unused slot).
+    """
+
+    output: torch.Tensor
+    indexer_loss: torch.Tensor
+    topk_indices: torch.Tensor
+
+
+class DSAttention(nn.Module):
+    """DeepSeek Sparse Attention: absorbed MLA + lightning indexer + top-k + sparse attention + KL loss.
+
+    Args:
+        config: the layer's hyper-parameters.
+        stage: ``"dense_warmup"`` or ``"sparse"`` (see the module docs); a forward call can override it.
+        backend: ``"reference"``, ``"tilelang"`` or ``"auto"`` (see `dsa_ref.dispatch`).
+        loss_coeff: coefficient of the indexer loss.
+        loss_reduction: ``"mean"`` over valid query rows or ``"sum"``.
+        device, dtype: for the weights (``indexer.weights_proj`` stays float32).
+
+    Attributes:
+        loss_scale: gradient the indexer loss receives in backward (default 1.0); set it with
+            `set_indexer_loss_scale` (micro-batching and context parallelism do).
+    """
+
+    def __init__(self, config: DSAConfig, *, stage: str = "sparse", backend: str = "reference",
+                 loss_coeff: float = 1.0, loss_reduction: str = "mean", device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(config, DSAConfig):
+            raise TypeError(f"config must be a DSAConfig, got {type(config).__name__}")
+        self.config = config
+        self.stage = _check_stage(stage)
+        self.backend = dispatch.check_backend(backend)
+        self.loss_coeff = float(loss_coeff)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
+        self.loss_scale: float | torch.Tensor = 1.0
+        self.mla = MLA(config.mla, device=device, dtype=dtype)
+        self.absorbed = AbsorbedMLA(self.mla)
+        self.indexer = LightningIndexer(config, device=device, dtype=dtype)
+
+    def trainable_parameters(self, stage: str | None = None) -> list[nn.Parameter]:
+        """The parameters to optimise in a stage: only the indexer's in the dense warm-up, all in sparse."""
+        stage = _check_stage(self.stage if stage is None else stage)
+        return list(self.indexer.parameters()) if stage == "dense_warmup" else list(self.parameters())
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                stage: str | None = None) -> DSAOutput:
+        """One DSA layer over packed causal sequences.
+
+        Args:
+            x: ``[T, dim]`` hidden states (after the input norm).
+            cu_seqlens: int ``[num_seqs + 1]``; default one sequence of ``T`` tokens.
+            stage: overrides ``self.stage`` for this call.
+
+        Returns:
+            `DSAOutput` ``(output [T, dim], indexer_loss [], topk_indices [T, topk])``.
+        """
+        check_tokens(x, self.config.mla.dim)
+        cu = tokens_cu_seqlens(x, cu_seqlens)
+        query_index = torch.arange(x.shape[0], device=x.device)  # [T]
+        return self.attend(x, cu, query_index, gather=lambda t: t, stage=stage)
+
+    def attend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, query_index: torch.Tensor, *,
+               gather, stage: str | None = None, num_loss_rows: torch.Tensor | int | None = None) -> DSAOutput:
+        """The layer for the queries ``query_index`` of the packed sequences ``cu_seqlens``.
+
+        ``x`` holds the tokens ``query_index`` (all tokens without context parallelism, a rank's
+        shard with it); ``gather`` turns per-token key tensors of these tokens into all keys in
+        global packed order (identity without CP, an all-gather with it); ``num_loss_rows`` is the
+        divisor of the mean loss (the global number of valid rows under CP).
+        """
+        stage = _check_stage(self.stage if stage is None else stage)
+        cfg = self.config
+        pos = positions(cu_seqlens, query_index)  # [T_q]
+        starts, ends = key_windows(cu_seqlens, query_index)  # [T_q] each, in global key order
+
+        # 1. MLA projections, absorbed: queries [T_q, H, 576], this shard's latent rows [T_q, 576]
+        p = self.mla.project(x, pos)
+        q, kv_local = self.absorbed.absorbed_qkv(p)
+        kv = gather(kv_local)  # [S, 576]
+
+        # 2. indexer on detached inputs: it learns from its KL loss only
+        q_i, k_i_local, w_i = self.indexer.project(x.detach(), p.qr.detach(), pos)
+        k_i = gather(k_i_local)  # [S, D_I]
+        scores = dispatch.lightning_indexer(q_i, k_i, w_i, starts=starts, ends=ends,
+                                            relu=cfg.indexer.use_relu, backend=self.backend)  # [T_q, S]
+
+        # 3. top-k selection (no gradient)
+        topk = dispatch.topk_indices(scores.detach(), cfg.indexer.topk, backend=self.backend)  # [T_q, topk]
+
+        # 4. main attention over the window (warm-up) or over the selection (sparse)
+        if stage == "dense_warmup":
+            o_latent, _ = dense_mla_attention(q, kv, sm_scale=self.mla.softmax_scale,
+                                              d_v=cfg.mla.kv_lora_rank, starts=starts, ends=ends)  # [T_q, H, r]
+        else:
+            o_latent, _ = dispatch.sparse_mla(q, kv, topk, sm_scale=self.mla.softmax_scale,
+                                              d_v=cfg.mla.kv_lora_rank, backend=self.backend)  # [T_q, H, r]
+
+        # 5. indexer KL loss against the detached main attention
+        loss = indexer_loss(scores, q.detach(), kv.detach(), sm_scale=self.mla.softmax_scale,
+                            starts=starts, ends=ends, topk_indices=None if stage == "dense_warmup" else topk,
+                            reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows)
+
+        out = self.absorbed.output(o_latent)  # [T_q, dim]
+        if torch.is_grad_enabled() and loss.requires_grad:
+            out = IndexerLossAutoScaler.apply(out, loss, self.loss_scale)
+        return DSAOutput(out, loss, topk)
+
+
+def set_indexer_loss_scale(module: nn.Module, scale: float | torch.Tensor) -> None:
+    """Set ``loss_scale`` on every `DSAttention` inside ``module`` (e.g. ``1 / num_microbatches``)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
+        raise TypeError(f"scale must be a float or a scalar tensor, got {type(scale).__name__}")
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        raise ValueError(f"scale must be a scalar, got shape {tuple(scale.shape)}")
+    for m in module.modules():
+        if isinstance(m, DSAttention):
+            m.loss_scale = scale
+
+
+def _check_stage(stage: str) -> str:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    return stage

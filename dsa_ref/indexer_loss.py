@@ -1,0 +1,260 @@
+r"""Chapter 3, part 3: the indexer's KL loss, for both training stages.
+
+The indexer is trained to predict where the main attention looks. For query ``t``, the **target**
+is the main attention's probabilities summed over heads and L1-normalised over keys,
+
+$$
+p_{t,s} = \frac{\sum_h P_{t,h,s}}{\sum_{s'} \sum_h P_{t,h,s'}}, \qquad
+P_{t,h,:} = \operatorname{softmax}_{s \in V_t}\big(\sigma\, q_{t,h}\cdot k_s\big),
+$$
+
+computed from *detached* main queries and keys, and the **prediction** is
+``log_softmax(I[t, :])`` over the same valid keys ``V_t``. The loss is the KL divergence
+
+$$
+\mathcal{L}_t = \sum_{s \in V_t} p_{t,s}\,\big(\log p_{t,s} - \log \operatorname{softmax}_{V_t}(I_{t,:})_s\big) \;\ge 0,
+$$
+
+reduced over the valid query rows (``"mean"`` or ``"sum"``) and multiplied by ``coeff``.
+
+* **dense warm-up**: ``V_t`` is the key window (every causal key);
+* **sparse stage**: ``V_t`` is the selected top-k *set* (intersected with the window when given);
+  both distributions are renormalised on it. Here a key selected twice counts once.
+
+Its gradient with respect to the index scores has the closed form ``coeff / n * (softmax(I) - p)``
+on valid keys (`indexer_logit_grad`). The prediction uses ``log_softmax``, never
+``log(softmax + eps)``: the eps version underestimates the loss and suppresses gradients whenever a
+predicted probability falls below eps.
+
+Memory: `indexer_loss` works through the queries in chunks, so it holds ``[chunk, H, S]`` main
+scores at a time instead of ``[T, H, S]``. `indexer_loss_plain` is the same math written in one go,
+for reading and for testing the chunked version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_dim, check_float, check_rank, check_same_device, check_scale, check_windows
+from .attention import auto_chunk_size, masked_softmax_with_lse
+from .layout import window_mask
+from .sparse_attention import check_indices
+
+__all__ = ["indexer_loss", "indexer_loss_plain", "indexer_target", "indexer_logit_grad", "masked_log_softmax",
+           "valid_keys"]
+
+_REDUCTIONS = ("mean", "sum")
+
+
+def masked_log_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the valid entries of the last dim; 0 at invalid entries and on empty rows.
+
+    Args:
+        scores: float ``[..., S]``.
+        valid: bool ``[..., S]``.
+    """
+    has_valid = valid.any(dim=-1, keepdim=True)  # [..., 1]
+    # empty rows are zeroed before the logsumexp so that neither forward nor backward sees -inf - -inf
+    masked = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+    masked = torch.where(has_valid, masked, torch.zeros_like(masked))
+    log_z = torch.logsumexp(masked, dim=-1, keepdim=True)  # [..., 1]
+    return torch.where(valid, masked - log_z, torch.zeros_like(masked))
+
+
+def valid_keys(num_keys: int, rows: slice, *, starts: torch.Tensor | None, ends: torch.Tensor | None,
+               topk_indices: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Bool ``[R, S]``: the keys each of the given query rows is trained on.
+
+    The window (all keys when ``starts``/``ends`` are ``None``), intersected with the selected set
+    when ``topk_indices`` is given (sparse stage). ``-1`` slots select nothing.
+    """
+    if starts is not None:
+        valid = window_mask(starts[rows], ends[rows], num_keys)  # [R, S]
+    else:
+        valid = torch.ones(rows.stop - rows.start, num_keys, dtype=torch.bool, device=device)  # [R, S]
+    if topk_indices is not None:
+        idx = topk_indices[rows]  # [R, K]
+        selected = torch.zeros(idx.shape[0], num_keys + 1, dtype=torch.bool, device=device)  # [R, S + 1]
+        # -1 slots are sent to an extra column S, which is dropped: they select nothing
+        selected.scatter_(1, torch.where(idx >= 0, idx, torch.full_like(idx, num_keys)), True)
+        valid = valid & selected[:, :num_keys]  # [R, S]
+    return valid
+
+
+def _main_probs_summed(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """``sum_h softmax_valid(sm_scale * q[t, h] . k[s])``: ``[R, H, D] x [S, (H,) D] -> [R, S]``."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if k.dim() == 2:
+        scores = torch.einsum("thd,sd->ths", q.to(acc), k.to(acc)) * sm_scale  # [R, H, S]
+    else:
+        scores = torch.einsum("thd,shd->ths", q.to(acc), k.to(acc)) * sm_scale  # [R, H, S]
+    probs, _ = masked_softmax_with_lse(scores, valid[:, None, :])  # [R, H, S]
+    return probs.sum(dim=1)  # [R, S]
+
+
+def _l1_normalise(p: torch.Tensor) -> torch.Tensor:
+    total = p.sum(dim=-1, keepdim=True)  # [R, 1]
+    return p / torch.where(total > 0, total, torch.ones_like(total))  # rows of zeros stay zeros
+
+
+def indexer_target(q: torch.Tensor, k: torch.Tensor, *, sm_scale: float, starts: torch.Tensor | None = None,
+                   ends: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """The KL target ``p [T, S]``: main attention summed over heads, L1-normalised over the valid keys.
+
+    Args:
+        q: ``[T, H, D]`` main queries (absorbed: ``[T, H, 576]``); detached here.
+        k: ``[S, D]`` (MQA / absorbed latent rows) or ``[S, H, D]`` main keys; detached here.
+        sm_scale: the main attention's softmax scale.
+        starts, ends: int ``[T]`` key windows; both ``None`` = all keys.
+        topk_indices: int ``[T, K]`` for the sparse stage, ``None`` for the dense warm-up.
+
+    Returns:
+        ``[T, S]`` float32 (float64 for float64), rows sum to 1 (0 for rows with no valid key).
+    """
+    T, S = _check_main_qk(q, k)
+    windows = check_windows(starts, ends, T, S)
+    starts, ends = windows if windows is not None else (None, None)
+    if topk_indices is not None:
+        topk_indices = check_indices(topk_indices, T, S, name="topk_indices")
+    with torch.no_grad():
+        valid = valid_keys(S, slice(0, T), starts=starts, ends=ends, topk_indices=topk_indices, device=q.device)
+        return _l1_normalise(_main_probs_summed(q.detach(), k.detach(), valid, sm_scale))
+
+
+# --8<-- [start:indexer_loss]
+def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, sm_scale: float,
+                 starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+                 topk_indices: torch.Tensor | None = None, reduction: str = "mean", coeff: float = 1.0,
+                 chunk_size: int | None = None, row_mask: torch.Tensor | None = None,
+                 num_rows: int | torch.Tensor | None = None) -> torch.Tensor:
+    """KL(target || softmax(index_scores)) over valid keys, reduced over valid query rows, times ``coeff``.
+
+    Args:
+        index_scores: ``[T, S]`` indexer logits (`lightning_indexer`); must be finite on valid keys.
+            Gradients flow into it; nothing flows into ``q`` or ``k``.
+        q: ``[T, H, D]`` main queries (absorbed: ``[T, H, 576]``).
+        k: ``[S, D]`` (MQA / absorbed latent rows) or ``[S, H, D]`` main keys.
+        sm_scale: the main attention's softmax scale.
+        starts, ends: int ``[T]`` key windows; both ``None`` = all keys.
+        topk_indices: int ``[T, K]``: sparse stage (valid keys = selected set within the window);
+            ``None``: dense warm-up (valid keys = the window).
+        reduction: ``"mean"`` (sum over valid rows / number of valid rows) or ``"sum"``.
+        coeff: loss coefficient (0 gives a zero loss with zero, not missing, gradients).
+        chunk_size: query rows per chunk; bounds memory to ``[chunk, H, S]``, never changes the result
+            beyond float rounding.
+        row_mask: optional bool ``[T]``; ``False`` rows (e.g. padding tokens) are left out entirely.
+        num_rows: divisor for ``"mean"`` instead of this call's valid-row count; context parallelism
+            passes the global count so that the per-rank losses add up to the single-process loss.
+
+    Returns:
+        A scalar in the accumulation dtype (float32, float64 for float64 inputs).
+    """
+    T, S = _check_main_qk(q, k)
+    check_float("index_scores", index_scores)
+    check_rank("index_scores", index_scores, 2, "[T, S]")
+    check_dim("index_scores", index_scores, 0, T, "q's queries")
+    check_dim("index_scores", index_scores, 1, S, "k's keys")
+    check_same_device(index_scores=index_scores, q=q, k=k, starts=starts, ends=ends, topk_indices=topk_indices)
+    sm_scale = check_scale("sm_scale", sm_scale)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    windows = check_windows(starts, ends, T, S)
+    starts, ends = windows if windows is not None else (None, None)
+    if topk_indices is not None:
+        topk_indices = check_indices(topk_indices, T, S, name="topk_indices")
+    if row_mask is not None:
+        if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool or row_mask.shape != (T,):
+            raise ValueError(f"row_mask must be a bool tensor of shape [{T}], got "
+                             f"{getattr(row_mask, 'dtype', type(row_mask))} {tuple(getattr(row_mask, 'shape', ()))}")
+
+    acc = torch.float64 if torch.float64 in (index_scores.dtype, q.dtype) else torch.float32
+    q, k = q.detach(), k.detach()  # the target never sends gradient into the main attention
+    chunk = auto_chunk_size(T, q.shape[1] * S, chunk_size)
+    total = index_scores.new_zeros((), dtype=acc)
+    rows_counted = 0
+    for lo in range(0, T, chunk):
+        rows = slice(lo, min(lo + chunk, T))
+        valid = valid_keys(S, rows, starts=starts, ends=ends, topk_indices=topk_indices, device=q.device)  # [R, S]
+        if row_mask is not None:
+            valid = valid & row_mask[rows, None]
+        with torch.no_grad():
+            target = _l1_normalise(_main_probs_summed(q[rows], k, valid, sm_scale)).to(acc)  # [R, S]
+        log_pred = masked_log_softmax(index_scores[rows].to(acc), valid)  # [R, S]
+        # KL per row; xlogy gives 0 * log 0 = 0 where the target is 0
+        kl_rows = (torch.xlogy(target, target) - target * log_pred).sum(dim=-1)  # [R]
+        total = total + kl_rows.sum()
+        rows_counted += int(valid.any(dim=-1).sum())
+    if reduction == "mean":
+        denominator = rows_counted if num_rows is None else num_rows
+        total = total / torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp_min(1)
+    return total * coeff
+# --8<-- [end:indexer_loss]
+
+
+def indexer_loss_plain(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, sm_scale: float,
+                       starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+                       topk_indices: torch.Tensor | None = None, reduction: str = "mean",
+                       coeff: float = 1.0) -> torch.Tensor:
+    """`indexer_loss` written in one go over ``[H, T, S]``: for reading and for small inputs only."""
+    T, S = _check_main_qk(q, k)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if starts is not None or ends is not None:
+        starts, ends = check_windows(starts, ends, T, S)
+    if topk_indices is not None:
+        topk_indices = check_indices(topk_indices, T, S, name="topk_indices")
+    valid = torch.ones(T, S, dtype=torch.bool, device=q.device) if starts is None else window_mask(starts, ends, S)
+    if topk_indices is not None:
+        selected = torch.zeros(T, S, dtype=torch.bool, device=q.device)
+        for t in range(T):
+            picked = topk_indices[t][topk_indices[t] >= 0]
+            selected[t, picked] = True
+        valid = valid & selected  # [T, S]
+    acc = torch.float64 if torch.float64 in (index_scores.dtype, q.dtype) else torch.float32
+    qd, kd = q.detach().to(acc), k.detach().to(acc)
+    k_heads = kd[:, None, :].expand(S, q.shape[1], q.shape[2]) if kd.dim() == 2 else kd  # [S, H, D]
+    logits = torch.einsum("thd,shd->hts", qd, k_heads) * sm_scale  # [H, T, S]
+    logits = logits.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # [H, T, S]; empty rows -> 0
+    summed = probs.sum(dim=0)  # [T, S]
+    target = summed / summed.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)  # [T, S]
+    log_pred = masked_log_softmax(index_scores.to(acc), valid)  # [T, S]
+    kl = (torch.xlogy(target, target) - target * log_pred).sum(dim=-1)  # [T]
+    n = int(valid.any(dim=-1).sum())
+    loss = kl.sum() / max(n, 1) if reduction == "mean" else kl.sum()
+    return loss * coeff
+
+
+def indexer_logit_grad(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, sm_scale: float,
+                       starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+                       topk_indices: torch.Tensor | None = None, reduction: str = "mean",
+                       coeff: float = 1.0) -> torch.Tensor:
+    """Closed-form gradient of `indexer_loss` with respect to ``index_scores``.
+
+    ``dL/dI[t, s] = c * (softmax_valid(I[t])[s] - p[t, s])`` on valid keys, 0 elsewhere, with
+    ``c = coeff / n_valid_rows`` for ``"mean"`` and ``c = coeff`` for ``"sum"``. It holds because the
+    target sums to 1 on every valid row.
+
+    Returns:
+        ``[T, S]`` in the accumulation dtype.
+    """
+    T, S = _check_main_qk(q, k)
+    target = indexer_target(q, k, sm_scale=sm_scale, starts=starts, ends=ends, topk_indices=topk_indices)
+    windows = check_windows(starts, ends, T, S)
+    st, en = windows if windows is not None else (None, None)
+    valid = valid_keys(S, slice(0, T), starts=st, ends=en, topk_indices=topk_indices, device=q.device)
+    pred = masked_log_softmax(index_scores.detach().to(target.dtype), valid).exp() * valid  # [T, S]
+    n = int(valid.any(dim=-1).sum())
+    c = coeff / max(n, 1) if reduction == "mean" else coeff
+    return c * (pred - target)
+
+
+def _check_main_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    check_float("q", q)
+    check_float("k", k)
+    check_rank("q", q, 3, "[T, H, D]")
+    check_rank("k", k, (2, 3), "[S, D] or [S, H, D]")
+    check_dim("k", k, -1, q.shape[-1], "q's head dim")
+    if k.dim() == 3:
+        check_dim("k", k, 1, q.shape[1], "q's heads")
+    return q.shape[0], k.shape[0]

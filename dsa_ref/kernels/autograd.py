@@ -1,0 +1,166 @@
+"""Autograd wrappers around the TileLang kernels, with the readable API's semantics.
+
+Each wrapper converts at the boundary (int32 indices padded with ``-1`` to the kernel's block
+size, ``[S, D]`` contiguous latent rows, base-2 vs natural LSE) and checks shapes the kernels
+support; ``*_supported`` returns ``None`` when a call is fine and a reason string when it is not.
+"""
+
+import math
+
+import torch
+
+from ..sparse_attention import check_indices
+
+LOG2E = 1.4426950408889634
+
+
+def _pad_indices(indices: torch.Tensor, multiple: int) -> torch.Tensor:
+    """int32 ``[T, K']`` with ``K'`` the next multiple of ``multiple``, padded with -1 (unused slots)."""
+    T, K = indices.shape
+    padded = math.ceil(K / multiple) * multiple
+    out = torch.full((T, padded), -1, dtype=torch.int32, device=indices.device)
+    out[:, :K] = indices
+    return out
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+
+
+def sparse_mla_supported(q, kv, indices, d_v) -> str | None:
+    """Why the kernels cannot take this call, or ``None`` if they can."""
+    if not (q.is_cuda and kv.is_cuda and indices.is_cuda):
+        return "inputs are not on CUDA"
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return f"the kernels take bfloat16, got q {q.dtype} and kv {kv.dtype}"
+    if q.dim() != 3:
+        return f"q must be [T, H, D], got {tuple(q.shape)}"
+    T, H, D = q.shape
+    if H not in (16, 32, 64) and (H < 64 or H % 64):
+        return f"H must be 16, 32, 64 or a multiple of 64, got {H}"
+    if d_v % 64 or D <= d_v or (D - d_v) % 16 or D % 64:
+        return f"unsupported widths D={D}, d_v={d_v} (need d_v % 64 == 0, D % 64 == 0, tail % 16 == 0)"
+    return None
+
+
+class SparseMLAFunction(torch.autograd.Function):
+    """``(out, lse) = sparse_mla(q, kv, indices)`` on TileLang; backward gives ``dq`` and ``dkv``."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, sm_scale, d_v, schedule):
+        from . import sparse_mla_fwd as fwd
+
+        q, kv = q.contiguous(), kv.contiguous()
+        T, H, D = q.shape
+        if schedule == "warp_specialized" and H % 64 == 0:
+            idx = _pad_indices(indices, 2 * fwd.BLOCK_I)
+            kernel = fwd.warp_specialized_kernel(H, D, d_v, idx.shape[1], float(sm_scale))
+        else:
+            idx = _pad_indices(indices, fwd.BLOCK_I)
+            kernel = fwd.simple_kernel(H, D, d_v, idx.shape[1], float(sm_scale))
+        out, lse = kernel(q, kv, idx)
+        ctx.save_for_backward(q, kv, idx, out, lse)
+        ctx.sm_scale, ctx.d_v = float(sm_scale), d_v
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        from . import sparse_mla_bwd as bwd
+
+        q, kv, idx, out, lse = ctx.saved_tensors
+        T, H, D = q.shape
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        delta = (out.float() * d_out.float()).sum(-1)  # [T, H]
+        if d_lse is not None:
+            # d lse / d s_j = p_j, so a gradient on lse folds into Delta: dS = P * (dP - (Delta - d_lse))
+            delta = delta - d_lse.float()
+        # base-2 LSE for the kernel; +inf for empty rows makes every recomputed P of the row 0
+        lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        idx_b = _pad_indices(idx, bwd.BLOCK_S) if idx.shape[1] % bwd.BLOCK_S else idx
+        kernel = bwd.backward_kernel(H, D, ctx.d_v, idx_b.shape[1], ctx.sm_scale)
+        dq = kernel(q, kv, d_out.contiguous(), idx_b, lse2, delta.contiguous(), dkv)
+        return dq, dkv.to(kv.dtype), None, None, None, None
+
+
+def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto"):
+    """Sparse MLA on TileLang with the readable API's contract (see `dsa_ref.sparse_mla`).
+
+    Args:
+        q: ``[T, H, D]`` bf16 CUDA; kv: ``[S, D]`` or ``[S, 1, D]`` bf16; indices: int ``[T, K]``
+            (``[T, 1, K]`` accepted), ``-1`` = unused slot.
+        schedule: ``"warp_specialized"`` (64-head blocks), ``"simple"``, or ``"auto"`` (the
+            warp-specialised one whenever ``H`` is a multiple of 64).
+    """
+    if kv.dim() == 3:
+        kv = kv[:, 0]
+    indices = check_indices(indices, q.shape[0], kv.shape[0])
+    reason = sparse_mla_supported(q, kv, indices, d_v)
+    if reason is not None:
+        raise ValueError(f"sparse_mla_tilelang: {reason}")
+    if schedule == "auto":
+        schedule = "warp_specialized" if q.shape[1] % 64 == 0 else "simple"
+    return SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule)
+
+
+# ----------------------------------------------------------------------------- indexer
+
+
+def indexer_supported(q, k, weights) -> str | None:
+    """Why the indexer kernel cannot take this call, or ``None`` if it can."""
+    if not (q.is_cuda and k.is_cuda and weights.is_cuda):
+        return "inputs are not on CUDA"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        return f"the kernel takes bfloat16 q and k, got {q.dtype} and {k.dtype}"
+    if q.dim() != 3 or q.shape[1] not in (16, 32, 64) or q.shape[2] % 16:
+        return f"q must be [T, H_I in (16, 32, 64), D_I % 16 == 0], got {tuple(q.shape)}"
+    return None
+
+
+class LightningIndexerFunction(torch.autograd.Function):
+    """Index scores from the TileLang kernel; the backward recomputes through the reference.
+
+    The backward is the readable `dsa_ref.lightning_indexer` under autograd, chunked over queries,
+    so gradients are exactly those of the reference (no fused backward kernel yet).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, weights, starts, ends, relu):
+        from .indexer_fwd import indexer_kernel
+
+        T, H, D = q.shape
+        S = k.shape[0]
+        if starts is None:
+            starts_i = torch.zeros(T, dtype=torch.int32, device=q.device)
+            ends_i = torch.full((T,), S, dtype=torch.int32, device=q.device)
+        else:
+            starts_i, ends_i = starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
+        scores = torch.full((T, S), float("-inf"), dtype=torch.float32, device=q.device)
+        indexer_kernel(H, D, bool(relu))(q.contiguous(), k.contiguous(), weights.float().contiguous(), starts_i, ends_i, scores)
+        ctx.save_for_backward(q, k, weights, starts_i, ends_i)
+        ctx.has_windows = starts is not None
+        ctx.relu = bool(relu)
+        ctx.weights_dtype = weights.dtype
+        return scores
+
+    @staticmethod
+    def backward(ctx, d_scores):
+        from ..indexer import lightning_indexer
+
+        q, k, weights, starts, ends = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, w_ = (t.detach().requires_grad_(True) for t in (q, k, weights))
+            scores = lightning_indexer(q_, k_, w_, starts=starts.long() if ctx.has_windows else None,
+                                       ends=ends.long() if ctx.has_windows else None, relu=ctx.relu)
+            # -inf entries carry no gradient; mask them so 0 * inf never appears
+            d = torch.where(torch.isfinite(scores), d_scores, torch.zeros_like(d_scores))
+            dq, dk, dw = torch.autograd.grad(scores, (q_, k_, w_), d)
+        return dq, dk, dw, None, None, None
+
+
+def lightning_indexer_tilelang(q, k, weights, *, starts=None, ends=None, relu=True):
+    """Index scores on TileLang with the readable API's contract (see `dsa_ref.lightning_indexer`)."""
+    reason = indexer_supported(q, k, weights)
+    if reason is not None:
+        raise ValueError(f"lightning_indexer_tilelang: {reason}")
+    return LightningIndexerFunction.apply(q, k, weights, starts, ends, relu)

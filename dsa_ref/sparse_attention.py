@@ -1,0 +1,144 @@
+r"""Chapter 3, part 2: sparse attention over the selected keys.
+
+Once every query ``t`` has its selected keys ``S_t`` (a row of ``topk`` indices, ``-1`` for an unused
+slot), attention is ordinary softmax attention restricted to them:
+
+$$
+o_{t,h} = \sum_{j\,:\,\mathrm{idx}_{t,j} \ne -1} \frac{e^{\sigma\, q_{t,h}\cdot kv_{\mathrm{idx}_{t,j}}}}
+{\sum_{j'} e^{\sigma\, q_{t,h}\cdot kv_{\mathrm{idx}_{t,j'}}}}\; v_{\mathrm{idx}_{t,j}}
+$$
+
+Each *slot* is one softmax term: a key index that appears in two slots counts twice, exactly as
+the kernels do (they never deduplicate). A row with no valid slot has ``o = 0`` and ``lse = -inf``.
+
+Two forms, the same math:
+
+* `sparse_mla` -- the absorbed form (chapter 2): MQA over the 576-wide latent rows, the one the
+  kernels implement. All 128 heads of a query share its selection, so one gathered latent row
+  serves every head.
+* `sparse_attention` -- the dense (per-head) form of chapter 1, for readers and for checking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_same_device, check_scale
+from .attention import auto_chunk_size, masked_softmax_with_lse, run_chunked
+
+__all__ = ["sparse_mla", "sparse_attention", "check_indices"]
+
+
+def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: str = "indices") -> torch.Tensor:
+    """Validate top-k indices: int ``[T, K]`` (``[T, 1, K]`` accepted), values in ``[-1, num_keys)``.
+
+    Returns:
+        the indices as ``[T, K]`` (same dtype).
+    """
+    check_int(name, indices)
+    if indices.dim() == 3:
+        check_dim(name, indices, 1, 1, "one index set per query shared by all heads; [T, 1, K] is accepted")
+        indices = indices[:, 0]
+    check_rank(name, indices, 2, "[T, K] or [T, 1, K]")
+    check_dim(name, indices, 0, num_queries, "one row per query")
+    if indices.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one slot per row, got shape {tuple(indices.shape)}")
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < -1 or hi >= num_keys:
+            raise ValueError(
+                f"{name} values must be -1 (unused slot) or in [0, num_keys={num_keys}), got range [{lo}, {hi}]"
+                " (convert other sentinels, e.g. >= S_kv, to -1 first: see dsa_ref.oracle)"
+            )
+    return indices
+
+
+# --8<-- [start:sparse_mla]
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_scale: float,
+               d_v: int = 512, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse absorbed-MLA attention: each query attends to the latent rows its indices select.
+
+    Args:
+        q: ``[T, H, D]`` absorbed queries (DeepSeek-V3.2: ``D = 576``).
+        kv: ``[S, D]`` latent rows ``[c_kv ; k_pe]`` (``[S, 1, D]`` accepted).
+        indices: int ``[T, K]`` (``[T, 1, K]`` accepted); ``-1`` marks an unused slot, every other
+            value must lie in ``[0, S)``. Duplicates count once per slot.
+        sm_scale: softmax scale (DeepSeek-V3.2: ``192 ** -0.5 * mscale ** 2``).
+        d_v: value width, the first ``d_v`` channels of each latent row (DeepSeek-V3.2: 512).
+        chunk_size: queries per chunk (memory only).
+
+    Returns:
+        ``(out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` natural log, float32 or float64``)``.
+        Differentiable in ``q`` and ``kv``.
+    """
+    check_float("q", q)
+    check_float("kv", kv)
+    check_rank("q", q, 3, "[T, H, D]")
+    if kv.dim() == 3:
+        check_dim("kv", kv, 1, 1, "one latent KV head; [S, 1, D] is accepted")
+        kv = kv[:, 0]  # [S, D]
+    check_rank("kv", kv, 2, "[S, D] or [S, 1, D]")
+    check_dim("kv", kv, 1, q.shape[-1], "q's head dim")
+    check_int("indices", indices)
+    check_same_device(q=q, kv=kv, indices=indices)
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= kv.shape[-1]:
+        raise ValueError(f"d_v must be an int in [1, D={kv.shape[-1]}], got {d_v!r}")
+    sm_scale = check_scale("sm_scale", sm_scale)
+    indices = check_indices(indices, q.shape[0], kv.shape[0])
+    T, H, D = q.shape
+    K = indices.shape[1]
+    acc = accumulation_dtype(q)
+
+    def attend(q_c, idx_c, kv_):
+        valid = idx_c >= 0  # [C, K]
+        # -1 slots gather row 0 as a placeholder; the mask below gives them probability 0
+        kv_sel = kv_.to(acc)[idx_c.clamp_min(0)]  # [C, K, D]
+        scores = torch.einsum("thd,tkd->thk", q_c.to(acc), kv_sel) * sm_scale  # [C, H, K]
+        probs, lse = masked_softmax_with_lse(scores, valid[:, None, :])  # [C, H, K], [C, H]
+        out = torch.einsum("thk,tkv->thv", probs, kv_sel[..., :d_v])  # [C, H, d_v]
+        return out.to(q.dtype), lse
+
+    chunk = auto_chunk_size(T, max(H * K, K * D), chunk_size)
+    return run_chunked(attend, T, chunk, (q, indices), (kv,))
+# --8<-- [end:sparse_mla]
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, *,
+                     sm_scale: float, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention in the dense (per-head key and value) form of chapter 1.
+
+    Args:
+        q: ``[T, H, D]`` queries ``[q_nope ; q_pe]`` (DeepSeek-V3.2: ``D = 192``).
+        k: ``[S, H, D]`` per-head keys ``[k_nope ; k_pe]``.
+        v: ``[S, H, D_v]`` per-head values (DeepSeek-V3.2: ``D_v = 128``).
+        indices: int ``[T, K]``, ``-1`` = unused slot; every head of a query uses the same keys.
+        sm_scale: softmax scale.
+        chunk_size: queries per chunk (memory only).
+
+    Returns:
+        ``(out [T, H, D_v]`` in q's dtype, ``lse [T, H]``)``.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(name, x)
+        check_rank(name, x, 3, "[T, H, D]" if name == "q" else "[S, H, D]")
+    check_dim("k", k, 1, q.shape[1], "q's heads")
+    check_dim("k", k, 2, q.shape[2], "q's head dim")
+    check_dim("v", v, 0, k.shape[0], "one value per key")
+    check_dim("v", v, 1, q.shape[1], "q's heads")
+    sm_scale = check_scale("sm_scale", sm_scale)
+    indices = check_indices(indices, q.shape[0], k.shape[0])
+    T, H, D = q.shape
+    K = indices.shape[1]
+    acc = accumulation_dtype(q)
+
+    def attend(q_c, idx_c, k_, v_):
+        valid = idx_c >= 0  # [C, K]
+        safe = idx_c.clamp_min(0)  # [C, K]; masked below
+        k_sel, v_sel = k_.to(acc)[safe], v_.to(acc)[safe]  # [C, K, H, D], [C, K, H, D_v]
+        scores = torch.einsum("thd,tkhd->thk", q_c.to(acc), k_sel) * sm_scale  # [C, H, K]
+        probs, lse = masked_softmax_with_lse(scores, valid[:, None, :])  # [C, H, K], [C, H]
+        out = torch.einsum("thk,tkhv->thv", probs, v_sel)  # [C, H, D_v]
+        return out.to(q.dtype), lse
+
+    chunk = auto_chunk_size(T, K * H * max(D, v.shape[-1]), chunk_size)
+    return run_chunked(attend, T, chunk, (q, indices), (k, v))
