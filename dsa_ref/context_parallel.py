@@ -38,6 +38,7 @@ __all__ = ["all_gather_with_grad", "cp_dsa_forward", "gather_keys_to_global", "g
            "reduce_loss_for_logging", "shard_tokens", "unshard_tokens", "check_same_cu_seqlens"]
 
 
+# --8<-- [start:all_gather]
 class _AllGather(torch.autograd.Function):
     """Concatenate every rank's tensor along dim 0; backward: sum the gradients, keep this rank's slice."""
 
@@ -62,6 +63,7 @@ class _AllGather(torch.autograd.Function):
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=group)
         return total[rank * n:(rank + 1) * n], None
+# --8<-- [end:all_gather]
 
 
 def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -82,6 +84,7 @@ def global_order(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     return torch.cat([cp_shard_index(cu_seqlens, cp_size, r) for r in range(cp_size)])
 
 
+# --8<-- [start:gather_keys_to_global]
 def gather_keys_to_global(x_local: torch.Tensor, cu_seqlens: torch.Tensor,
                           group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather per-token key rows of every rank and put them into global packed order.
@@ -99,6 +102,7 @@ def gather_keys_to_global(x_local: torch.Tensor, cu_seqlens: torch.Tensor,
     order = global_order(cu_seqlens.cpu(), cp_size).to(x_local.device)  # [T]: global index of each gathered row
     # gathered[j] is token order[j]; inverting the permutation puts token i at row i
     return gathered[torch.argsort(order)]  # [T, ...]
+# --8<-- [end:gather_keys_to_global]
 
 
 def shard_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -134,9 +138,11 @@ def check_same_cu_seqlens(cu_seqlens: torch.Tensor, group: dist.ProcessGroup | N
         )
 
 
+# --8<-- [start:cp_dsa_forward]
 def cp_dsa_forward(layer: DSAttention, x_local: torch.Tensor, cu_seqlens: torch.Tensor, *,
                    group: dist.ProcessGroup | None = None, cp_size: int | None = None,
-                   stage: str | None = None, check_inputs: bool = True) -> DSAOutput:
+                   stage: str | None = None, check_inputs: bool = True,
+                   loss_row_mask: torch.Tensor | None = None) -> DSAOutput:
     """Run a `DSAttention` layer under allgather context parallelism.
 
     Args:
@@ -148,6 +154,8 @@ def cp_dsa_forward(layer: DSAttention, x_local: torch.Tensor, cu_seqlens: torch.
         cp_size: optional; if given it must equal the group's size (a guard against mis-built groups).
         stage: overrides ``layer.stage``.
         check_inputs: verify that all ranks pass the same ``cu_seqlens`` (one small all-reduce).
+        loss_row_mask: optional bool ``[T / cp]`` for this rank's tokens (e.g. ``shard_tokens`` of a
+            global mask); ``False`` rows (padding) are left out of the indexer loss and its global mean.
 
     Returns:
         `DSAOutput` for this rank's tokens: ``output [T / cp, dim]``, this rank's share of the indexer
@@ -170,9 +178,14 @@ def cp_dsa_forward(layer: DSAttention, x_local: torch.Tensor, cu_seqlens: torch.
             f"{query_index.numel()} tokens of cu_seqlens (T={int(cu[-1])}); pass shard_tokens(x, cu_seqlens, ...)"
         )
     cu = cu.to(x_local.device)
-    num_loss_rows = _global_valid_rows(cu, query_index, group) if layer.loss_reduction == "mean" else None
+    if loss_row_mask is not None and (loss_row_mask.dtype != torch.bool or loss_row_mask.shape != (x_local.shape[0],)):
+        raise ValueError(f"loss_row_mask must be a bool tensor of shape [{x_local.shape[0]}], got "
+                         f"{loss_row_mask.dtype} {tuple(loss_row_mask.shape)}")
+    num_loss_rows = (_global_valid_rows(cu, query_index, group, loss_row_mask)
+                     if layer.loss_reduction == "mean" else None)
     return layer.attend(x_local, cu, query_index, gather=lambda t: gather_keys_to_global(t, cu, group),
-                        stage=stage, num_loss_rows=num_loss_rows)
+                        stage=stage, num_loss_rows=num_loss_rows, loss_row_mask=loss_row_mask)
+# --8<-- [end:cp_dsa_forward]
 
 
 def reduce_loss_for_logging(loss: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -182,12 +195,18 @@ def reduce_loss_for_logging(loss: torch.Tensor, group: dist.ProcessGroup | None 
     return total
 
 
-def _global_valid_rows(cu: torch.Tensor, query_index: torch.Tensor, group) -> torch.Tensor:
-    """Number of query rows with a non-empty key window over the whole CP group (one all-reduce)."""
+# --8<-- [start:global_valid_rows]
+def _global_valid_rows(cu: torch.Tensor, query_index: torch.Tensor, group,
+                       row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of loss rows (non-empty key window, not masked out) over the whole CP group (one all-reduce)."""
     starts, ends = key_windows(cu, query_index)
-    count = (ends > starts).sum().to(torch.int64).reshape(1).to(_group_device(group, query_index))
+    rows = ends > starts  # [T / cp]
+    if row_mask is not None:
+        rows = rows & row_mask.to(rows.device)
+    count = rows.sum().to(torch.int64).reshape(1).to(_group_device(group, query_index))
     dist.all_reduce(count, group=group)
     return count[0].to(query_index.device)
+# --8<-- [end:global_valid_rows]
 
 
 def _group_device(group, like: torch.Tensor) -> torch.device:

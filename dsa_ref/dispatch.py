@@ -82,5 +82,9 @@ def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True, backe
 
 
 def topk_indices(scores, topk, *, backend="reference"):
-    """`dsa_ref.topk_indices` through the chosen backend."""
-    return _run("topk_indices", backend, _indexer.topk_indices, (scores, topk), {}, scores.device)
+    """`dsa_ref.topk_indices` for every backend: there is no TileLang top-k kernel (yet).
+
+    The reference (a stable sort, so ties go to the lower index) runs on the scores' device.
+    """
+    check_backend(backend)
+    return _indexer.topk_indices(scores, topk)

@@ -44,6 +44,7 @@ __all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "set_i
 STAGES = ("dense_warmup", "sparse")
 
 
+# --8<-- [start:autoscaler]
 class IndexerLossAutoScaler(torch.autograd.Function):
     """Identity on the layer output that injects the indexer loss into the backward pass.
 
@@ -63,6 +64,7 @@ class IndexerLossAutoScaler(torch.autograd.Function):
         (loss,) = ctx.saved_tensors
         scale = torch.as_tensor(ctx.scale, dtype=loss.dtype, device=loss.device)
         return grad_output, torch.ones_like(loss) * scale, None
+# --8<-- [end:autoscaler]
 
 
 class DSAOutput(NamedTuple):
@@ -113,19 +115,24 @@ class DSAttention(nn.Module):
         self.absorbed = AbsorbedMLA(self.mla)
         self.indexer = LightningIndexer(config, device=device, dtype=dtype)
 
+    # --8<-- [start:trainable_parameters]
     def trainable_parameters(self, stage: str | None = None) -> list[nn.Parameter]:
         """The parameters to optimise in a stage: only the indexer's in the dense warm-up, all in sparse."""
         stage = _check_stage(self.stage if stage is None else stage)
         return list(self.indexer.parameters()) if stage == "dense_warmup" else list(self.parameters())
+    # --8<-- [end:trainable_parameters]
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
-                stage: str | None = None) -> DSAOutput:
+                stage: str | None = None, loss_row_mask: torch.Tensor | None = None) -> DSAOutput:
         """One DSA layer over packed causal sequences.
 
         Args:
             x: ``[T, dim]`` hidden states (after the input norm).
             cu_seqlens: int ``[num_seqs + 1]``; default one sequence of ``T`` tokens.
             stage: overrides ``self.stage`` for this call.
+            loss_row_mask: optional bool ``[T]``; ``False`` rows (padding tokens) are left out of the
+                indexer loss and its mean. Pack padding as sequences of its own in ``cu_seqlens`` so
+                that no real query attends to it.
 
         Returns:
             `DSAOutput` ``(output [T, dim], indexer_loss [], topk_indices [T, topk])``.
@@ -133,16 +140,21 @@ class DSAttention(nn.Module):
         check_tokens(x, self.config.mla.dim)
         cu = tokens_cu_seqlens(x, cu_seqlens)
         query_index = torch.arange(x.shape[0], device=x.device)  # [T]
-        return self.attend(x, cu, query_index, gather=lambda t: t, stage=stage)
+        return self.attend(x, cu, query_index, gather=lambda t: t, stage=stage, loss_row_mask=loss_row_mask)
 
+    # --8<-- [start:attend]
     def attend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, query_index: torch.Tensor, *,
-               gather, stage: str | None = None, num_loss_rows: torch.Tensor | int | None = None) -> DSAOutput:
+               gather, stage: str | None = None, num_loss_rows: torch.Tensor | int | None = None,
+               head_sum_reduce=None, loss_row_mask: torch.Tensor | None = None) -> DSAOutput:
         """The layer for the queries ``query_index`` of the packed sequences ``cu_seqlens``.
 
         ``x`` holds the tokens ``query_index`` (all tokens without context parallelism, a rank's
         shard with it); ``gather`` turns per-token key tensors of these tokens into all keys in
         global packed order (identity without CP, an all-gather with it); ``num_loss_rows`` is the
-        divisor of the mean loss (the global number of valid rows under CP).
+        divisor of the mean loss (the global number of valid rows under CP); ``head_sum_reduce``
+        combines the KL target's sum over this module's heads with the other ranks' heads (an
+        all-reduce under tensor parallelism, see `dsa_ref.tensor_parallel`; ``None``: all heads are here);
+        ``loss_row_mask`` (bool, one per query) leaves padding rows out of the indexer loss.
         """
         stage = _check_stage(self.stage if stage is None else stage)
         cfg = self.config
@@ -174,12 +186,14 @@ class DSAttention(nn.Module):
         # 5. indexer KL loss against the detached main attention
         loss = indexer_loss(scores, q.detach(), kv.detach(), sm_scale=self.mla.softmax_scale,
                             starts=starts, ends=ends, topk_indices=None if stage == "dense_warmup" else topk,
-                            reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows)
+                            reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
+                            head_sum_reduce=head_sum_reduce, row_mask=loss_row_mask)
 
         out = self.absorbed.output(o_latent)  # [T_q, dim]
         if torch.is_grad_enabled() and loss.requires_grad:
             out = IndexerLossAutoScaler.apply(out, loss, self.loss_scale)
         return DSAOutput(out, loss, topk)
+    # --8<-- [end:attend]
 
 
 def set_indexer_loss_scale(module: nn.Module, scale: float | torch.Tensor) -> None:

@@ -93,7 +93,6 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(ic.head_dim, eps=ic.k_norm_eps, **kw)
         w_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.weights_proj = nn.Linear(mc.dim, ic.n_heads, bias=False, device=device, dtype=w_dtype)
-        self.register_buffer("inv_freq", rope_inv_freq(ic.rope_head_dim, mc.rope), persistent=False)
 
     @property
     def weight_scale(self) -> float:
@@ -105,10 +104,12 @@ class LightningIndexer(nn.Module):
         """RoPE on the first ``rope_head_dim`` channels of ``[T, ..., D_I]`` (pe first, then nope)."""
         ic = self.config.indexer
         x_pe, x_nope = x.split([ic.rope_head_dim, ic.head_dim - ic.rope_head_dim], dim=-1)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
+        inv_freq = rope_inv_freq(ic.rope_head_dim, self.config.mla.rope)  # float64, never rounded by .to()
+        cos, sin = rope_cos_sin(pos, inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
         x_pe = apply_rope(x_pe, cos, sin, interleaved=ic.rope_interleaved)
         return torch.cat([x_pe, x_nope], dim=-1)  # [T, ..., D_I]
 
+    # --8<-- [start:indexer_project]
     def project(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The indexer's queries, keys and head weights.
@@ -141,6 +142,7 @@ class LightningIndexer(nn.Module):
         w_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         weights = F.linear(x.to(w_dtype), self.weights_proj.weight.to(w_dtype)) * self.weight_scale  # [T, H_I]
         return q, k, weights
+    # --8<-- [end:indexer_project]
 
 
 # --8<-- [start:lightning_indexer]

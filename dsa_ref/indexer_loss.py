@@ -33,6 +33,8 @@ for reading and for testing the chunked version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._checks import check_dim, check_float, check_rank, check_same_device, check_scale, check_windows
@@ -98,7 +100,8 @@ def _l1_normalise(p: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_target(q: torch.Tensor, k: torch.Tensor, *, sm_scale: float, starts: torch.Tensor | None = None,
-                   ends: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                   ends: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None,
+                   head_sum_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The KL target ``p [T, S]``: main attention summed over heads, L1-normalised over the valid keys.
 
     Args:
@@ -107,6 +110,7 @@ def indexer_target(q: torch.Tensor, k: torch.Tensor, *, sm_scale: float, starts:
         sm_scale: the main attention's softmax scale.
         starts, ends: int ``[T]`` key windows; both ``None`` = all keys.
         topk_indices: int ``[T, K]`` for the sparse stage, ``None`` for the dense warm-up.
+        head_sum_reduce: applied to the sum over heads before the L1 normalisation (see `indexer_loss`).
 
     Returns:
         ``[T, S]`` float32 (float64 for float64), rows sum to 1 (0 for rows with no valid key).
@@ -118,7 +122,10 @@ def indexer_target(q: torch.Tensor, k: torch.Tensor, *, sm_scale: float, starts:
         topk_indices = check_indices(topk_indices, T, S, name="topk_indices")
     with torch.no_grad():
         valid = valid_keys(S, slice(0, T), starts=starts, ends=ends, topk_indices=topk_indices, device=q.device)
-        return _l1_normalise(_main_probs_summed(q.detach(), k.detach(), valid, sm_scale))
+        summed = _main_probs_summed(q.detach(), k.detach(), valid, sm_scale)  # [T, S]
+        if head_sum_reduce is not None:
+            summed = head_sum_reduce(summed)
+        return _l1_normalise(summed)
 
 
 # --8<-- [start:indexer_loss]
@@ -126,7 +133,8 @@ def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *
                  starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
                  topk_indices: torch.Tensor | None = None, reduction: str = "mean", coeff: float = 1.0,
                  chunk_size: int | None = None, row_mask: torch.Tensor | None = None,
-                 num_rows: int | torch.Tensor | None = None) -> torch.Tensor:
+                 num_rows: int | torch.Tensor | None = None,
+                 head_sum_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """KL(target || softmax(index_scores)) over valid keys, reduced over valid query rows, times ``coeff``.
 
     Args:
@@ -145,6 +153,12 @@ def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *
         row_mask: optional bool ``[T]``; ``False`` rows (e.g. padding tokens) are left out entirely.
         num_rows: divisor for ``"mean"`` instead of this call's valid-row count; context parallelism
             passes the global count so that the per-rank losses add up to the single-process loss.
+        head_sum_reduce: optional function applied to the per-row sum over heads (``[R, S]`` in the
+            dense stage, ``[R, K]`` over the selected slots in the sparse stage; no gradient)
+            *before* the L1 normalisation. Tensor parallelism passes an all-reduce over
+            the TP group, so that every rank's target covers all heads, not only its own. It is
+            called once per chunk of rows, so all ranks must see the same ``T``, ``S``, head count
+            and ``chunk_size``.
 
     Returns:
         A scalar in the accumulation dtype (float32, float64 for float64 inputs).
@@ -169,17 +183,21 @@ def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *
 
     acc = torch.float64 if torch.float64 in (index_scores.dtype, q.dtype) else torch.float32
     q, k = q.detach(), k.detach()  # the target never sends gradient into the main attention
-    chunk = auto_chunk_size(T, q.shape[1] * S, chunk_size)
+    if topk_indices is None:  # dense warm-up: every key of the window, [chunk, H, S] at a time
+        chunk = auto_chunk_size(T, q.shape[1] * S, chunk_size)
+    else:  # sparse stage: only the selected keys are gathered, [chunk, K, D] at a time
+        K = topk_indices.shape[1]
+        chunk = auto_chunk_size(T, K * max(q.shape[1], k[0].numel()), chunk_size)
     total = index_scores.new_zeros((), dtype=acc)
     rows_counted = 0
     for lo in range(0, T, chunk):
         rows = slice(lo, min(lo + chunk, T))
-        valid = valid_keys(S, rows, starts=starts, ends=ends, topk_indices=topk_indices, device=q.device)  # [R, S]
-        if row_mask is not None:
-            valid = valid & row_mask[rows, None]
-        with torch.no_grad():
-            target = _l1_normalise(_main_probs_summed(q[rows], k, valid, sm_scale)).to(acc)  # [R, S]
-        log_pred = masked_log_softmax(index_scores[rows].to(acc), valid)  # [R, S]
+        if topk_indices is None:
+            target, log_pred, valid = _dense_rows(index_scores, q, k, rows, starts, ends, row_mask, sm_scale,
+                                                  head_sum_reduce, acc)  # [R, S] each
+        else:
+            target, log_pred, valid = _selected_rows(index_scores, q, k, topk_indices, rows, starts, ends,
+                                                     row_mask, sm_scale, head_sum_reduce, acc)  # [R, K] each
         # KL per row; xlogy gives 0 * log 0 = 0 where the target is 0
         kl_rows = (torch.xlogy(target, target) - target * log_pred).sum(dim=-1)  # [R]
         total = total + kl_rows.sum()
@@ -189,6 +207,58 @@ def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *
         total = total / torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp_min(1)
     return total * coeff
 # --8<-- [end:indexer_loss]
+
+
+def _dense_rows(index_scores, q, k, rows, starts, ends, row_mask, sm_scale, head_sum_reduce, acc):
+    """Dense warm-up, some query rows: target, log-prediction and validity over all keys, ``[R, S]``."""
+    S = k.shape[0]
+    valid = valid_keys(S, rows, starts=starts, ends=ends, topk_indices=None, device=q.device)  # [R, S]
+    if row_mask is not None:
+        valid = valid & row_mask[rows, None]
+    with torch.no_grad():
+        summed = _main_probs_summed(q[rows], k, valid, sm_scale)  # [R, S]
+        if head_sum_reduce is not None:
+            summed = head_sum_reduce(summed)  # e.g. the sum over the heads of every TP rank
+        target = _l1_normalise(summed).to(acc)  # [R, S]
+    log_pred = masked_log_softmax(index_scores[rows].to(acc), valid)  # [R, S]
+    return target, log_pred, valid
+
+
+def first_occurrence(idx: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R, K]``: True at the first slot holding each index of a row (later duplicates False)."""
+    sorted_idx, order = torch.sort(idx, dim=-1, stable=True)  # equal indices stay in slot order
+    repeat = torch.zeros_like(idx, dtype=torch.bool)
+    repeat[:, 1:] = sorted_idx[:, 1:] == sorted_idx[:, :-1]  # [R, K] in sorted order
+    return ~torch.zeros_like(repeat).scatter(1, order, repeat)  # back to slot order
+
+
+def _selected_rows(index_scores, q, k, topk_indices, rows, starts, ends, row_mask, sm_scale, head_sum_reduce, acc):
+    """Sparse stage, some query rows: the same quantities on the selected keys only, ``[R, K]``.
+
+    The valid slots are the selected *set*: ``-1`` slots, keys outside the window and repeated
+    indices (after their first slot) are left out, so this equals the dense formula restricted to
+    the set -- without scoring the keys that were not selected.
+    """
+    idx = topk_indices[rows]  # [R, K]
+    valid = (idx >= 0) & first_occurrence(idx)  # [R, K]
+    if starts is not None:
+        valid = valid & (idx >= starts[rows, None]) & (idx < ends[rows, None])
+    if row_mask is not None:
+        valid = valid & row_mask[rows, None]
+    safe = idx.clamp_min(0)  # invalid slots read key 0 and are masked
+    with torch.no_grad():
+        k_sel = k[safe].to(acc)  # [R, K, D] or [R, K, H, D]
+        if k.dim() == 2:
+            scores = torch.einsum("thd,tkd->thk", q[rows].to(acc), k_sel) * sm_scale  # [R, H, K]
+        else:
+            scores = torch.einsum("thd,tkhd->thk", q[rows].to(acc), k_sel) * sm_scale  # [R, H, K]
+        probs, _ = masked_softmax_with_lse(scores, valid[:, None, :])  # [R, H, K]
+        summed = probs.sum(dim=1)  # [R, K]
+        if head_sum_reduce is not None:
+            summed = head_sum_reduce(summed)
+        target = _l1_normalise(summed).to(acc)  # [R, K]
+    log_pred = masked_log_softmax(index_scores[rows].to(acc).gather(1, safe), valid)  # [R, K]
+    return target, log_pred, valid
 
 
 def indexer_loss_plain(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, sm_scale: float,

@@ -60,6 +60,7 @@ def sequence_ids(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = No
     return torch.searchsorted(cu[1:], idx, right=True)  # [T_q]
 
 
+# --8<-- [start:key_windows]
 def key_windows(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal key windows of packed sequences, with keys in global packed order.
@@ -79,6 +80,7 @@ def key_windows(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = Non
     starts = cu[seq]  # [T_q]
     ends = idx + 1  # [T_q]
     return starts, ends
+# --8<-- [end:key_windows]
 
 
 def positions(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +99,7 @@ def positions(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = None)
     return idx - starts
 
 
+# --8<-- [start:cp_shard_index]
 def cp_shard_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global packed indices of the tokens a context-parallel rank owns, in its local order.
 
@@ -130,6 +133,7 @@ def cp_shard_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
         for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
             pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk, dtype=torch.int64))
     return torch.cat(pieces).to(cu.device) if pieces else torch.zeros(0, dtype=torch.int64, device=cu.device)
+# --8<-- [end:cp_shard_index]
 
 
 def window_mask(starts: torch.Tensor, ends: torch.Tensor, num_keys: int) -> torch.Tensor:

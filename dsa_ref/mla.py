@@ -90,11 +90,10 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps, **kw)
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False, **kw)
-        self.register_buffer("inv_freq", rope_inv_freq(c.qk_rope_head_dim, c.rope), persistent=False)
 
     @property
     def softmax_scale(self) -> float:
-        """``qk_head_dim ** -0.5 * mscale ** 2`` (DeepSeek-V3.2: 0.13524)."""
+        """``qk_head_dim ** -0.5 * mscale ** 2`` (DeepSeek-V3.2: 0.13523)."""
         return self.config.softmax_scale
 
     # --8<-- [start:kv_up_weights]
@@ -124,7 +123,9 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)  # [T, H, nope], [T, H, rope]
         c_kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [T, r], [T, rope]
         c_kv = self.kv_norm(c_kv)  # [T, r]
-        cos, sin = rope_cos_sin(pos, self.inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
+        # frequencies in float64 from the config, never a module buffer that .to(bfloat16) would round
+        inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope)  # [rope/2]
+        cos, sin = rope_cos_sin(pos, inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
         q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope_interleaved)  # [T, H, rope]
         k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope_interleaved)  # [T, rope]
         return MLAProjections(qr=qr, q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe)

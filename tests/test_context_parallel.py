@@ -95,6 +95,14 @@ def _worker_equivalence(rank: int, world: int, init_file: str) -> None:
             torch.testing.assert_close(grads[n], ref_grads[n], atol=ATOL, rtol=0, msg=f"{where}: grad {n}")
         # the full output can be put back together from the shards
         torch.testing.assert_close(unshard_tokens(res.output, cu), ref.output.detach(), atol=ATOL, rtol=0)
+    # padding packed as its own sequence and masked out of the loss: CP divides by the global real rows
+    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "sparse", "mean", seed=50)
+    mask = torch.arange(48) < 32
+    ref = layer(x, cu, loss_row_mask=mask)
+    res = cp_dsa_forward(layer, shard_tokens(x, cu, world, rank), cu,
+                         loss_row_mask=shard_tokens(mask, cu, world, rank))
+    torch.testing.assert_close(reduce_loss_for_logging(res.indexer_loss), ref.indexer_loss.detach(),
+                               atol=ATOL, rtol=0)
     dist.destroy_process_group()
 
 

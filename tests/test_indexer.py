@@ -29,6 +29,7 @@ from dsa_ref.indexer import (
     topk_indices,
 )
 from dsa_ref.layout import key_windows, positions
+from dsa_ref.rope import rope_inv_freq
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -188,7 +189,7 @@ def test_project_against_hand_rolled_formula(interleaved):
     mu = k_lin.mean(-1, keepdim=True)
     var = ((k_lin - mu) ** 2).mean(-1, keepdim=True)
     k_raw = (k_lin - mu) / torch.sqrt(var + ic.k_norm_eps) * idx.k_norm.weight + idx.k_norm.bias
-    inv_freq = idx.inv_freq
+    inv_freq = rope_inv_freq(cfg.indexer.rope_head_dim, cfg.mla.rope)
     r = ic.rope_head_dim
     torch.testing.assert_close(q, _hand_rope_half_split(q_raw, pos, inv_freq, r, interleaved), rtol=0, atol=1e-12)
     torch.testing.assert_close(k, _hand_rope_half_split(k_raw, pos, inv_freq, r, interleaved), rtol=0, atol=1e-12)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-__all__ = ["available", "sparse_mla", "lightning_indexer", "topk_indices"]
+__all__ = ["available", "sparse_mla", "lightning_indexer"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +34,7 @@ def available() -> tuple[bool, str]:
     return _probe()
 
 
+# --8<-- [start:decline]
 def sparse_mla(q, kv, indices, *, sm_scale, d_v=512):
     """`dsa_ref.sparse_mla` on the TileLang kernels, or ``None`` for unsupported inputs."""
     from .autograd import sparse_mla_supported, sparse_mla_tilelang
@@ -50,8 +51,4 @@ def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True):
     if indexer_supported(q, k, weights) is not None:
         return None
     return lightning_indexer_tilelang(q, k, weights, starts=starts, ends=ends, relu=relu)
-
-
-def topk_indices(scores, topk):
-    """No TileLang top-k yet: always declines, so the reference (a stable sort) runs."""
-    return None
+# --8<-- [end:decline]

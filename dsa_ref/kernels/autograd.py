@@ -14,6 +14,7 @@ from ..sparse_attention import check_indices
 LOG2E = 1.4426950408889634
 
 
+# --8<-- [start:pad_indices]
 def _pad_indices(indices: torch.Tensor, multiple: int) -> torch.Tensor:
     """int32 ``[T, K']`` with ``K'`` the next multiple of ``multiple``, padded with -1 (unused slots)."""
     T, K = indices.shape
@@ -21,11 +22,13 @@ def _pad_indices(indices: torch.Tensor, multiple: int) -> torch.Tensor:
     out = torch.full((T, padded), -1, dtype=torch.int32, device=indices.device)
     out[:, :K] = indices
     return out
+# --8<-- [end:pad_indices]
 
 
 # ----------------------------------------------------------------------------- sparse MLA
 
 
+# --8<-- [start:sparse_mla_supported]
 def sparse_mla_supported(q, kv, indices, d_v) -> str | None:
     """Why the kernels cannot take this call, or ``None`` if they can."""
     if not (q.is_cuda and kv.is_cuda and indices.is_cuda):
@@ -40,8 +43,10 @@ def sparse_mla_supported(q, kv, indices, d_v) -> str | None:
     if d_v % 64 or D <= d_v or (D - d_v) % 16 or D % 64:
         return f"unsupported widths D={D}, d_v={d_v} (need d_v % 64 == 0, D % 64 == 0, tail % 16 == 0)"
     return None
+# --8<-- [end:sparse_mla_supported]
 
 
+# --8<-- [start:sparse_mla_function]
 class SparseMLAFunction(torch.autograd.Function):
     """``(out, lse) = sparse_mla(q, kv, indices)`` on TileLang; backward gives ``dq`` and ``dkv``."""
 
@@ -81,6 +86,7 @@ class SparseMLAFunction(torch.autograd.Function):
         kernel = bwd.backward_kernel(H, D, ctx.d_v, idx_b.shape[1], ctx.sm_scale)
         dq = kernel(q, kv, d_out.contiguous(), idx_b, lse2, delta.contiguous(), dkv)
         return dq, dkv.to(kv.dtype), None, None, None, None
+# --8<-- [end:sparse_mla_function]
 
 
 def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto"):
@@ -106,6 +112,7 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto"):
 # ----------------------------------------------------------------------------- indexer
 
 
+# --8<-- [start:indexer_supported]
 def indexer_supported(q, k, weights) -> str | None:
     """Why the indexer kernel cannot take this call, or ``None`` if it can."""
     if not (q.is_cuda and k.is_cuda and weights.is_cuda):
@@ -115,8 +122,10 @@ def indexer_supported(q, k, weights) -> str | None:
     if q.dim() != 3 or q.shape[1] not in (16, 32, 64) or q.shape[2] % 16:
         return f"q must be [T, H_I in (16, 32, 64), D_I % 16 == 0], got {tuple(q.shape)}"
     return None
+# --8<-- [end:indexer_supported]
 
 
+# --8<-- [start:indexer_function]
 class LightningIndexerFunction(torch.autograd.Function):
     """Index scores from the TileLang kernel; the backward recomputes through the reference.
 
@@ -156,6 +165,7 @@ class LightningIndexerFunction(torch.autograd.Function):
             d = torch.where(torch.isfinite(scores), d_scores, torch.zeros_like(d_scores))
             dq, dk, dw = torch.autograd.grad(scores, (q_, k_, w_), d)
         return dq, dk, dw, None, None, None
+# --8<-- [end:indexer_function]
 
 
 def lightning_indexer_tilelang(q, k, weights, *, starts=None, ends=None, relu=True):

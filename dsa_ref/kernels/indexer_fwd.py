@@ -2,12 +2,14 @@
 
 ``scores[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s])`` for ``starts[t] <= s < ends[t]``.
 
-One block of threads owns ``BLOCK_Q`` queries and keeps their ``[H_I, D_I]`` queries in shared
-memory; it walks the key tiles that any of its queries can see (``[min start, max end)``), loading
-each ``[128, D_I]`` key tile once for all its queries. Per query and tile: one tensor-core GEMM
-``[H_I, D_I] x [D_I, 128]``, then ReLU, the head weights and a sum over the ``H_I`` rows in fp32.
-Scores outside a query's window are ``-inf``; the wrapper pre-fills the output with ``-inf``, so
-tiles nobody sees are never touched. The keys are small (``S x 256`` bytes) and stay in L2.
+One block of threads owns ``BLOCK_Q`` consecutive queries and keeps their ``[H_I, D_I]`` queries in
+shared memory. It walks the key tiles that any of its queries can see (``[min start, max end)``),
+loading each ``[128, D_I]`` key tile once (asynchronously, two stages) for all its queries. Per query
+and tile, one tensor-core GEMM puts *keys on rows and heads on columns*,
+``logits [128 keys, H_I] = K_tile @ q[t]^T``; then ReLU, the head weights and the sum over the
+``H_I`` columns -- a reduction inside groups of 4 threads rather than across warps. Scores outside
+a query's window are ``-inf``: the wrapper pre-fills the output with ``-inf`` and the kernel writes
+only inside the windows. The keys are small (``S x 256`` bytes) and stay in L2.
 """
 
 import functools
@@ -18,14 +20,14 @@ import tilelang.language as T
 from ._target import compile_target
 
 BLOCK_N = 128  # keys per tile
-BLOCK_Q = 4  # queries per block
+BLOCK_Q = 8  # queries per block
 
 _PASS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 }
 
 
+# --8<-- [start:indexer_kernel]
 @functools.lru_cache(maxsize=None)
 def indexer_kernel(heads: int, dim: int, relu: bool = True):
     """Compile the indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
@@ -48,7 +50,7 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True):
             q_s = T.alloc_shared((BLOCK_Q, heads, dim), bf16)
             k_s = T.alloc_shared((BLOCK_N, dim), bf16)
             w_s = T.alloc_shared((BLOCK_Q, heads), f32, scope="shared")
-            logits = T.alloc_fragment((heads, BLOCK_N), f32)
+            logits = T.alloc_fragment((BLOCK_N, heads), f32)
             row = T.alloc_fragment((BLOCK_N,), f32)
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
@@ -69,16 +71,15 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True):
             first_tile = lo // BLOCK_N
             for kt in T.Pipelined(T.max(T.ceildiv(hi, BLOCK_N) - first_tile, 0), num_stages=2):
                 s0 = (first_tile + kt) * BLOCK_N
-                for n, d in T.Parallel(BLOCK_N, dim):
-                    k_s[n, d] = T.if_then_else(s0 + n < num_kv, K[T.min(s0 + n, num_kv - 1), d], 0)
+                T.copy(K[s0:s0 + BLOCK_N, :], k_s)  # rows past the end are never stored below
                 for qi in T.unroll(BLOCK_Q):
-                    T.gemm(q_s[qi, :, :], k_s, logits, transpose_B=True, clear_accum=True)
-                    for h, n in T.Parallel(heads, BLOCK_N):
+                    T.gemm(k_s, q_s[qi, :, :], logits, transpose_B=True, clear_accum=True)  # [keys, heads]
+                    for n, h in T.Parallel(BLOCK_N, heads):
                         if relu:
-                            logits[h, n] = T.max(logits[h, n], 0) * w_s[qi, h]
+                            logits[n, h] = T.max(logits[n, h], 0) * w_s[qi, h]
                         else:
-                            logits[h, n] = logits[h, n] * w_s[qi, h]
-                    T.reduce_sum(logits, row, dim=0)
+                            logits[n, h] = logits[n, h] * w_s[qi, h]
+                    T.reduce_sum(logits, row, dim=1)
                     t = t0 + qi
                     for n in T.Parallel(BLOCK_N):
                         if t < num_q and s0 + n < num_kv:
@@ -86,3 +87,4 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True):
                                 Scores[t, s0 + n] = row[n]
 
     return tilelang.compile(main, pass_configs=_PASS, target=compile_target())
+# --8<-- [end:indexer_kernel]

@@ -31,6 +31,7 @@ _PASS = {
 }
 
 
+# --8<-- [start:backward_kernel]
 @functools.lru_cache(maxsize=None)
 def backward_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float):
     """Compile the sparse MLA backward for these sizes (any number of queries and keys).
@@ -132,3 +133,4 @@ def backward_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float
             T.copy(acc_dq_tail, dQ[t, h0:h0 + hb, dim_v:])
 
     return tilelang.compile(main, out_idx=[7], pass_configs=_PASS, target=compile_target())
+# --8<-- [end:backward_kernel]

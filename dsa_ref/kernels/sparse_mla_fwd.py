@@ -55,6 +55,7 @@ def head_blocking(heads: int) -> tuple[int, int]:
     return heads, 1
 
 
+# --8<-- [start:simple_kernel]
 @functools.lru_cache(maxsize=None)
 def simple_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float,
                   num_stages: int = 2, threads: int = 256):
@@ -130,8 +131,10 @@ def simple_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float,
             T.copy(l, Lse[t, h0:h0 + hb])
 
     return tilelang.compile(main, out_idx=[3, 4], pass_configs=_PASS_SIMPLE, target=compile_target())
+# --8<-- [end:simple_kernel]
 
 
+# --8<-- [start:warp_specialized_kernel]
 _PASS_WS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
@@ -286,3 +289,4 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scal
                         T.cp_async_barrier_noinc(kv_ready[stage])
 
     return tilelang.compile(main, out_idx=[3, 4], pass_configs=_PASS_WS, target=compile_target())
+# --8<-- [end:warp_specialized_kernel]

@@ -1,0 +1,126 @@
+"""dsa_ref.fp8: DeepSeek's block-128 e4m3 quantisation, and what the Hadamard rotation does under it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsa_ref import lightning_indexer, topk_indices
+from dsa_ref.adversarial import outlier_channels
+from dsa_ref.compare import attention_mass_recall, compare_topk
+from dsa_ref.fp8 import (
+    E4M3_MAX,
+    HAS_TORCH_FP8,
+    act_quant_block128,
+    e4m3_round,
+    fp8_dequant,
+    fp8_indexer_scores,
+    fp8_roundtrip,
+)
+
+needs_torch_fp8 = pytest.mark.skipif(not HAS_TORCH_FP8, reason="this PyTorch has no float8_e4m3fn")
+
+
+@needs_torch_fp8
+def test_emulation_equals_torch_on_every_value_and_midpoint():
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()
+    assert values.numel() == 253 and float(values.max()) == E4M3_MAX  # 254 finite codes, +0 and -0 merge
+    mids = (values[1:] + values[:-1]) / 2  # exact ties: round half to even
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([values, mids, torch.randn(50000, generator=g) * 30, torch.rand(5000, generator=g) * 2 ** -6])
+    x = x.clamp(-E4M3_MAX, E4M3_MAX)
+    assert torch.equal(e4m3_round(x), x.to(torch.float8_e4m3fn).float())
+
+
+def test_emulation_known_values():
+    x = torch.tensor([1.0625, 1.1875, 2 ** -9, 2 ** -10, 3 * 2 ** -10, 447.0, 448.0, -0.3, 0.0, 240.0, 232.0])
+    expected = torch.tensor([1.0, 1.25, 2 ** -9, 0.0, 2 ** -8, 448.0, 448.0, -0.3125, 0.0, 240.0, 224.0])
+    # 1.0625 is halfway between 1 and 1.125: ties to even (1.0); 2^-10 is half the smallest subnormal
+    assert torch.equal(e4m3_round(x), expected)
+
+
+@pytest.mark.parametrize("emulate", [True, None])
+def test_act_quant_scales_and_error_bound(emulate):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 256, generator=g) * torch.logspace(-3, 3, 6)[:, None]  # magnitudes 1e-3 .. 1e3
+    y, s = act_quant_block128(x, emulate=emulate)
+    assert s.shape == (6, 2) and y.shape == x.shape
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s), "ue8m0: scales are powers of two"
+    amax = y.float().reshape(6, 2, 128).abs().amax(-1)
+    assert ((amax >= 224) & (amax <= 448)).all(), "a power-of-two scale puts the block max into [224, 448]"
+    back = fp8_dequant(y, s)
+    normal = (x.abs() / s.repeat_interleave(128, dim=1)) >= 2 ** -6
+    rel = ((back - x).abs() / x.abs())[normal]
+    assert float(rel.max()) <= 2 ** -4 + 1e-7, "3 mantissa bits: at most half an ulp, 2^-4 relative"
+    assert torch.equal(back, fp8_roundtrip(x, emulate=emulate))
+
+
+def test_act_quant_without_pow2_hits_448_and_emulation_matches():
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2)) * 5
+    y, s = act_quant_block128(x, pow2_scale=False, emulate=True)
+    assert torch.allclose(y.abs().amax(-1), torch.full((3,), E4M3_MAX))
+    if HAS_TORCH_FP8:
+        y2, s2 = act_quant_block128(x, pow2_scale=False, emulate=False)
+        assert y2.dtype == torch.float8_e4m3fn and torch.equal(y2.float(), y) and torch.equal(s2, s)
+
+
+def test_act_quant_validation():
+    with pytest.raises(ValueError, match="multiple of block_size=128"):
+        act_quant_block128(torch.randn(4, 100))
+    assert act_quant_block128(torch.randn(4, 100), block_size=100)[1].shape == (4, 1)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        act_quant_block128(torch.ones(4, 128, dtype=torch.int32))
+    y, s = act_quant_block128(torch.zeros(1, 128))  # an all-zero block: amax clamped at 1e-4
+    assert (y.float() == 0).all() and float(s[0, 0]) > 0
+
+
+def test_rotation_changes_nothing_in_exact_arithmetic():
+    case = outlier_channels(tokens=16, num_keys=64, heads=4, seed=3)
+    q, k, w = case["q"], case["k"], case["weights"]
+    plain = fp8_indexer_scores(q, k, w, hadamard=False, quantize=False)
+    rotated = fp8_indexer_scores(q, k, w, hadamard=True, quantize=False)
+    assert plain.dtype == torch.float64
+    torch.testing.assert_close(rotated, plain, atol=1e-11, rtol=1e-12)
+    torch.testing.assert_close(plain, lightning_indexer(q, k, w), atol=0, rtol=0)
+
+
+def _errors(case, k=16):
+    q, k_, w = case["q"], case["k"], case["weights"]
+    exact = lightning_indexer(q, k_, w)
+    ref_idx = topk_indices(exact, k)
+    p = torch.softmax(exact, dim=-1)  # a stand-in attention mass peaked where the scores are high
+    out = {}
+    for rot in (True, False):
+        s = fp8_indexer_scores(q, k_, w, hadamard=rot).double()
+        idx = topk_indices(s, k)
+        out[rot] = dict(rel=float((s - exact).norm() / exact.norm()),
+                        recall=compare_topk(idx, ref_idx, exact, k).mean_recall,
+                        mass=float(attention_mass_recall(idx, p, relative_to=ref_idx).mean()))
+    return out
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_fp8_with_rotation_is_closer_to_exact_on_outlier_heavy_inputs(seed):
+    e = _errors(outlier_channels(tokens=48, num_keys=256, heads=8, magnitude=30.0, seed=seed))
+    assert e[True]["rel"] < 0.5 * e[False]["rel"], e
+    assert e[True]["recall"] > e[False]["recall"], e
+    assert e[True]["mass"] >= e[False]["mass"], e
+    assert e[False]["rel"] > 0.02, "without the rotation fp8 is visibly off on outliers"
+
+
+def test_rotation_neither_helps_nor_hurts_much_without_outliers():
+    e = _errors(outlier_channels(tokens=48, num_keys=256, heads=8, magnitude=1.0, seed=6))
+    assert 0.7 < e[True]["rel"] / e[False]["rel"] < 1.4, e
+
+
+def test_fp8_scores_keep_windows_and_dtype():
+    case = outlier_channels(tokens=8, num_keys=8, heads=2, seed=7)
+    starts = torch.zeros(8, dtype=torch.int64)
+    ends = torch.arange(1, 9)
+    s = fp8_indexer_scores(case["q"], case["k"], case["weights"], hadamard=True, starts=starts, ends=ends)
+    assert s.dtype == torch.float32
+    assert torch.equal(torch.isfinite(s), torch.arange(8)[None] < ends[:, None])
+    assert math.isinf(float(s[0, 1]))
