@@ -44,7 +44,8 @@ from .mla import MLA, MLAProjections
 
 __all__ = ["TensorParallelDSA", "HeadParallelMLA", "ColumnParallelLinear", "RowParallelLinear", "TPCPGroups",
            "LATENT_GRADS", "KL_TARGETS", "SPLIT_DIMS", "check_replicated", "copy_to_tp", "reduce_from_tp",
-           "make_tp_cp_groups", "parameter_kind", "sync_tensor_parallel_grads", "tp_collective_bytes"]
+           "make_tp_cp_groups", "parameter_kind", "sync_tensor_parallel_grads", "tp_collective_bytes",
+           "check_heads_divisible"]
 
 LATENT_GRADS = ("activations", "parameters")
 KL_TARGETS = ("all_reduce", "local")
@@ -276,8 +277,10 @@ class TensorParallelDSA(DSAttention):
         if head_sum_reduce is not None:
             raise ValueError("TensorParallelDSA brings its own head_sum_reduce (the all-reduce over TP)")
         if self.check_replicas:
-            check_replicated(self.tp_group, what="the layer inputs", x=x, cu_seqlens=cu_seqlens,
-                             query_index=query_index,
+            inputs = dict(x=x, cu_seqlens=cu_seqlens, query_index=query_index)
+            if loss_row_mask is not None:
+                inputs["loss_row_mask"] = loss_row_mask
+            check_replicated(self.tp_group, what="the layer inputs", **inputs,
                              hint="every TP rank must get the same tokens: with CP, the ranks of a TP group "
                                   "must share one CP rank (see make_tp_cp_groups)")
         reduce = self._sum_over_tp if self.kl_target == "all_reduce" else None
@@ -360,7 +363,10 @@ def sync_tensor_parallel_grads(layer: nn.Module) -> None:
 
 
 def parameter_kind(name: str) -> str:
-    """How a `DSAttention` parameter lives under TP: ``"split"`` (by head), ``"latent"`` (replicated MLA) or ``"indexer"``."""
+    """How a `DSAttention` parameter lives under TP.
+
+    Returns ``"split"`` (by head), ``"latent"`` (replicated MLA weights) or ``"indexer"`` (replicated).
+    """
     if name in SPLIT_DIMS:
         return "split"
     if name.startswith("indexer."):
@@ -431,7 +437,7 @@ def tp_collective_bytes(config: DSAConfig, tokens: int, *, keys: int | None = No
     Returns:
         Per layer and micro-batch: ``"output"`` (forward ``g`` after ``wo``, ``[T, dim]``),
         ``"target_dense"`` (forward, the KL target's head sum ``[T, S]``), ``"target_sparse"`` (the
-        same on the selection only, ``[T, topk]``, as a kernel can do it), ``"latent_grads"``
+        same on the selected slots, ``[T, topk]``, as `dsa_ref.indexer_loss` reduces it), ``"latent_grads"``
         (backward ``f`` on ``qr``, ``c_kv``, ``k_pe``), ``"input_grad"`` (backward ``f`` on ``x``, with
         ``latent_grads="parameters"``). Per optimizer step: ``"latent_param_grads"`` (the sum of the
         replicated MLA weights' gradients, with ``latent_grads="parameters"``) and

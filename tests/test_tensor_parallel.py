@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 # torch.testing.assert_close imports DTensor as soon as a process group exists: seconds per rank
 # on a small CPU. Imported here, before the ranks fork, every rank inherits it.
 import torch.distributed.tensor  # noqa: F401
-from dsa_ref import MLA, AbsorbedMLA, DSAttention, indexer_loss, tiny, topk_indices, window_mask
+from dsa_ref import MLA, AbsorbedMLA, DSAttention, deepseek_v32, indexer_loss, tiny, topk_indices, window_mask
 from dsa_ref.context_parallel import cp_dsa_forward, reduce_loss_for_logging, shard_tokens
 from dsa_ref.indexer_loss import indexer_target
 from dsa_ref.layout import cp_shard_index, key_windows
@@ -36,6 +36,7 @@ from dsa_ref.tensor_parallel import (
     parameter_kind,
     reduce_from_tp,
     sync_tensor_parallel_grads,
+    tp_collective_bytes,
 )
 
 pytestmark = pytest.mark.slow
@@ -63,18 +64,18 @@ def _scenario(cu_list, stage, reduction, seed, cfg=None):
     return layer, cu, x, w_out
 
 
-def _reference(layer, cu, x, w_out):
+def _reference(layer, cu, x, w_out, row_mask=None):
     x = x.clone().requires_grad_(True)
     layer.zero_grad()
-    res = layer(x, cu)
+    res = layer(x, cu, loss_row_mask=row_mask)
     (res.output * w_out).sum().backward()
     return res, x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
 def _check_equivalence(layer, cu, x, w_out, *, tp_group, cp_group=None, cp_size=1, cp_rank=0,
-                       latent_grads="activations", kl_target="all_reduce", where=""):
+                       latent_grads="activations", kl_target="all_reduce", row_mask=None, where=""):
     """Run the reference and this rank's TP (x CP) share, and compare everything."""
-    ref, ref_dx, ref_grads = _reference(layer, cu, x, w_out)
+    ref, ref_dx, ref_grads = _reference(layer, cu, x, w_out, row_mask)
     tp = TensorParallelDSA.from_dense(layer, tp_group=tp_group, latent_grads=latent_grads, kl_target=kl_target)
     where = f"{where} rank {dist.get_rank()}: {cu.tolist()} {layer.stage} {layer.loss_reduction} " \
             f"{latent_grads} {kl_target}"
@@ -85,10 +86,11 @@ def _check_equivalence(layer, cu, x, w_out, *, tp_group, cp_group=None, cp_size=
 
     idx = cp_shard_index(cu, cp_size, cp_rank)
     x_local = x[idx].clone().requires_grad_(True)
+    mask_local = None if row_mask is None else row_mask[idx]
     if cp_group is None:
-        res = tp(x_local, cu)
+        res = tp(x_local, cu, loss_row_mask=mask_local)
     else:
-        res = cp_dsa_forward(tp, x_local, cu, group=cp_group, cp_size=cp_size)
+        res = cp_dsa_forward(tp, x_local, cu, group=cp_group, cp_size=cp_size, loss_row_mask=mask_local)
     (res.output * w_out[idx]).sum().backward()
 
     assert torch.equal(res.topk_indices, ref.topk_indices[idx]), where
@@ -128,6 +130,9 @@ def _worker_tp2(rank: int, world: int, init_file: str) -> None:
         layer, cu, x, w_out = _scenario(cu_list, stage, reduction, seed=200 + i)
         _check_equivalence(layer, cu, x, w_out, tp_group=None, latent_grads=latent_grads, kl_target=kl_target,
                            where="tp=2")
+    # padding rows left out of the indexer loss (here: the last packed sequence)
+    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "sparse", "mean", seed=210)
+    _check_equivalence(layer, cu, x, w_out, tp_group=None, row_mask=torch.arange(48) < 32, where="tp=2")
     _mla_tp2()
     _errors_tp2(rank)
     dist.destroy_process_group()
@@ -231,6 +236,9 @@ def _worker_tp_cp(rank: int, world: int, init_file: str) -> None:
         layer, cu, x, w_out = _scenario(cu_list, stage, reduction, seed=300 + i)
         _check_equivalence(layer, cu, x, w_out, tp_group=g.tp_group, cp_group=g.cp_group, cp_size=2,
                            cp_rank=g.cp_rank, latent_grads=latent_grads, kl_target=kl_target, where="tp x cp = 2 x 2")
+    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "dense_warmup", "mean", seed=310)
+    _check_equivalence(layer, cu, x, w_out, tp_group=g.tp_group, cp_group=g.cp_group, cp_size=2,
+                       cp_rank=g.cp_rank, row_mask=torch.arange(48) >= 8, where="tp x cp = 2 x 2")
     # tp = 4 over the whole world: one head per rank
     layer, cu, x, w_out = _scenario([0, 8, 32, 48], "sparse", "mean", seed=400)
     _check_equivalence(layer, cu, x, w_out, tp_group=None, where="tp=4")
@@ -308,3 +316,17 @@ def test_head_sum_reduce_combines_head_groups(stage):
     indexer_target(q[:, 2:], kv, **kw, head_sum_reduce=keep)
     target = indexer_target(q[:, :2], kv, **kw, head_sum_reduce=lambda s: s + held["b"])
     torch.testing.assert_close(target, indexer_target(q, kv, **kw), atol=1e-12, rtol=0)
+
+
+def test_collective_bytes_match_the_chapter():
+    """The byte counts quoted in docs/chapters/07_tensor_parallel.md (DeepSeek-V3.2, T = 4096)."""
+    b = tp_collective_bytes(deepseek_v32(), 4096)
+    assert b == {"output": 58_720_256, "target_dense": 67_108_864, "target_sparse": 33_554_432,
+                 "latent_grads": 17_301_504, "input_grad": 58_720_256, "latent_param_grads": 60_563_456,
+                 "indexer_param_grads": 55_837_696}
+    assert tp_collective_bytes(deepseek_v32(), 4096, keys=131_072)["target_dense"] == 2 * 2**30
+    # the parameter counts behind the per-step numbers are those of the real module
+    layer = DSAttention(tiny())
+    counts = tp_collective_bytes(tiny(), 1, grad_bytes=1)
+    for kind, key in (("latent", "latent_param_grads"), ("indexer", "indexer_param_grads")):
+        assert counts[key] == sum(p.numel() for n, p in layer.named_parameters() if parameter_kind(n) == kind)
