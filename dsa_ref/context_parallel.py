@@ -1,4 +1,4 @@
-r"""Chapter 4: allgather context parallelism (CP) over `torch.distributed`.
+r"""Chapter 4.2: allgather context parallelism (CP) over `torch.distributed`.
 
 With CP, the tokens of a long packed batch are spread over ``cp_size`` ranks. Each rank keeps its
 **queries** local but needs **all keys** of the sequences it serves. DSA makes this cheap: a key is

@@ -1,4 +1,4 @@
-r"""Chapter 7: tensor parallelism (TP) of the DSA layer, alone and beside context parallelism.
+r"""Chapter 4.4: tensor parallelism (TP) of the DSA layer, alone and beside context parallelism.
 
 Tensor parallelism splits one layer's **attention heads** over the ``tp`` ranks of a process group;
 every rank sees every token of its batch (``x`` is replicated over TP). Rank ``r`` owns heads

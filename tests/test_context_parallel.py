@@ -7,15 +7,12 @@ asserts equality (an assertion on any rank fails the test with that rank's trace
 
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from dsa_ref import DSAttention, tiny
+from dist_helpers import init_gloo, peaky_scenario, spawn
 from dsa_ref.context_parallel import (
     all_gather_with_grad,
     cp_dsa_forward,
@@ -28,26 +25,6 @@ from dsa_ref.layout import cp_shard_index
 pytestmark = pytest.mark.slow
 
 ATOL = 1e-10  # float64: CP only reorders the same sums
-
-
-def _init(rank: int, world: int, init_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-
-
-def _scenario(cu_list, stage, reduction, seed):
-    torch.manual_seed(seed)
-    cfg = tiny()
-    layer = DSAttention(cfg, stage=stage, loss_reduction=reduction, dtype=torch.float64)
-    with torch.no_grad():  # larger weights than the default init make attention peaky and top-k matter
-        for p in layer.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    cu = torch.tensor(cu_list)
-    T = int(cu[-1])
-    x = torch.randn(T, cfg.mla.dim, dtype=torch.float64)
-    w_out = torch.randn(T, cfg.mla.dim, dtype=torch.float64)  # a fixed "LM loss" direction
-    return layer, cu, x, w_out
 
 
 def _reference(layer, cu, x, w_out):
@@ -73,7 +50,7 @@ def _cp_run(layer, cu, x, w_out, rank, world):
 
 
 def _worker_equivalence(rank: int, world: int, init_file: str) -> None:
-    _init(rank, world, init_file)
+    init_gloo(rank, world, init_file)
     scenarios = [
         ([0, 32], "sparse", "mean"),
         ([0, 8, 32, 48], "sparse", "mean"),  # uneven pack: lengths 8, 24, 16
@@ -81,7 +58,7 @@ def _worker_equivalence(rank: int, world: int, init_file: str) -> None:
         ([0, 16, 24, 48], "sparse", "sum"),
     ]
     for i, (cu_list, stage, reduction) in enumerate(scenarios):
-        layer, cu, x, w_out = _scenario(cu_list, stage, reduction, seed=100 + i)
+        layer, cu, x, w_out = peaky_scenario(cu_list, stage, reduction, seed=100 + i)
         ref, ref_dx, ref_grads = _reference(layer, cu, x, w_out)
         res, dx_local, grads = _cp_run(layer, cu, x, w_out, rank, world)
         idx = cp_shard_index(cu, world, rank)
@@ -96,7 +73,7 @@ def _worker_equivalence(rank: int, world: int, init_file: str) -> None:
         # the full output can be put back together from the shards
         torch.testing.assert_close(unshard_tokens(res.output, cu), ref.output.detach(), atol=ATOL, rtol=0)
     # padding packed as its own sequence and masked out of the loss: CP divides by the global real rows
-    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "sparse", "mean", seed=50)
+    layer, cu, x, w_out = peaky_scenario([0, 8, 32, 48], "sparse", "mean", seed=50)
     mask = torch.arange(48) < 32
     ref = layer(x, cu, loss_row_mask=mask)
     res = cp_dsa_forward(layer, shard_tokens(x, cu, world, rank), cu,
@@ -107,8 +84,8 @@ def _worker_equivalence(rank: int, world: int, init_file: str) -> None:
 
 
 def _worker_errors(rank: int, world: int, init_file: str) -> None:
-    _init(rank, world, init_file)
-    layer, cu, x, _ = _scenario([0, 8, 32, 48], "sparse", "mean", seed=7)
+    init_gloo(rank, world, init_file)
+    layer, cu, x, _ = peaky_scenario([0, 8, 32, 48], "sparse", "mean", seed=7)
     x_local = shard_tokens(x, cu, world, rank)
     with pytest.raises(ValueError, match="cp_size=3 does not match"):
         cp_dsa_forward(layer, x_local, cu, cp_size=3)
@@ -130,26 +107,17 @@ def _worker_errors(rank: int, world: int, init_file: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(fn, world: int) -> None:
-    # fork starts a rank in milliseconds (spawn re-imports torch: seconds per rank on 2 cores);
-    # these are still separate processes talking over gloo
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with tempfile.TemporaryDirectory() as d:
-        init_file = os.path.join(d, "init")
-        mp.start_processes(fn, args=(world, init_file), nprocs=world, join=True, start_method=method)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_equals_single_process(world):
-    _spawn(_worker_equivalence, world)
+    spawn(_worker_equivalence, world)
 
 
 def test_cp_errors_and_all_gather():
-    _spawn(_worker_errors, 2)
+    spawn(_worker_errors, 2)
 
 
 def test_cp_forward_needs_process_group():
-    layer, cu, x, _ = _scenario([0, 8], "sparse", "mean", seed=0)
+    layer, cu, x, _ = peaky_scenario([0, 8], "sparse", "mean", seed=0)
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is already initialised")
     with pytest.raises(RuntimeError, match="process group"):

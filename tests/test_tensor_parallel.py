@@ -11,17 +11,12 @@ start-up is not.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-# torch.testing.assert_close imports DTensor as soon as a process group exists: seconds per rank
-# on a small CPU. Imported here, before the ranks fork, every rank inherits it.
-import torch.distributed.tensor  # noqa: F401
+from dist_helpers import init_gloo, peaky_scenario, spawn
 from dsa_ref import MLA, AbsorbedMLA, DSAttention, deepseek_v32, indexer_loss, tiny, topk_indices, window_mask
 from dsa_ref.context_parallel import cp_dsa_forward, reduce_loss_for_logging, shard_tokens
 from dsa_ref.indexer_loss import indexer_target
@@ -42,26 +37,6 @@ from dsa_ref.tensor_parallel import (
 pytestmark = pytest.mark.slow
 
 ATOL = 1e-10  # float64: TP only regroups the same sums
-
-
-def _init(rank: int, world: int, init_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-
-
-def _scenario(cu_list, stage, reduction, seed, cfg=None):
-    torch.manual_seed(seed)
-    cfg = cfg or tiny()
-    layer = DSAttention(cfg, stage=stage, loss_reduction=reduction, dtype=torch.float64)
-    with torch.no_grad():  # larger weights than the default init make attention peaky and top-k matter
-        for p in layer.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    cu = torch.tensor(cu_list)
-    T = int(cu[-1])
-    x = torch.randn(T, cfg.mla.dim, dtype=torch.float64)
-    w_out = torch.randn(T, cfg.mla.dim, dtype=torch.float64)  # a fixed "LM loss" direction
-    return layer, cu, x, w_out
 
 
 def _reference(layer, cu, x, w_out, row_mask=None):
@@ -118,7 +93,7 @@ def _check_equivalence(layer, cu, x, w_out, *, tp_group, cp_group=None, cp_size=
 
 
 def _worker_tp2(rank: int, world: int, init_file: str) -> None:
-    _init(rank, world, init_file)
+    init_gloo(rank, world, init_file)
     scenarios = [
         ([0, 32], "sparse", "mean", "activations", "all_reduce"),
         ([0, 8, 32, 48], "sparse", "mean", "parameters", "all_reduce"),  # uneven pack: 8, 24, 16
@@ -127,11 +102,11 @@ def _worker_tp2(rank: int, world: int, init_file: str) -> None:
         ([0, 8, 32, 48], "dense_warmup", "mean", "parameters", "local"),
     ]
     for i, (cu_list, stage, reduction, latent_grads, kl_target) in enumerate(scenarios):
-        layer, cu, x, w_out = _scenario(cu_list, stage, reduction, seed=200 + i)
+        layer, cu, x, w_out = peaky_scenario(cu_list, stage, reduction, seed=200 + i)
         _check_equivalence(layer, cu, x, w_out, tp_group=None, latent_grads=latent_grads, kl_target=kl_target,
                            where="tp=2")
     # padding rows left out of the indexer loss (here: the last packed sequence)
-    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "sparse", "mean", seed=210)
+    layer, cu, x, w_out = peaky_scenario([0, 8, 32, 48], "sparse", "mean", seed=210)
     _check_equivalence(layer, cu, x, w_out, tp_group=None, row_mask=torch.arange(48) < 32, where="tp=2")
     _mla_tp2()
     _errors_tp2(rank)
@@ -177,7 +152,7 @@ def _mla_tp2() -> None:
 
 
 def _errors_tp2(rank: int) -> None:
-    layer, cu, x, _ = _scenario([0, 8, 24], "sparse", "mean", seed=7)
+    layer, cu, x, _ = peaky_scenario([0, 8, 24], "sparse", "mean", seed=7)
     bad_heads = dataclasses.replace(tiny(), mla=dataclasses.replace(tiny().mla, n_heads=3))
     with pytest.raises(ValueError, match="n_heads=3 is not divisible by tp=2"):
         TensorParallelDSA(bad_heads)
@@ -224,7 +199,7 @@ def _errors_tp2(rank: int) -> None:
 
 
 def _worker_tp_cp(rank: int, world: int, init_file: str) -> None:
-    _init(rank, world, init_file)
+    init_gloo(rank, world, init_file)
     g = make_tp_cp_groups(2, 2)
     assert (g.tp_rank, g.cp_rank) == (rank % 2, rank // 2)
     scenarios = [
@@ -233,19 +208,19 @@ def _worker_tp_cp(rank: int, world: int, init_file: str) -> None:
         ([0, 32], "sparse", "sum", "activations", "local"),
     ]
     for i, (cu_list, stage, reduction, latent_grads, kl_target) in enumerate(scenarios):
-        layer, cu, x, w_out = _scenario(cu_list, stage, reduction, seed=300 + i)
+        layer, cu, x, w_out = peaky_scenario(cu_list, stage, reduction, seed=300 + i)
         _check_equivalence(layer, cu, x, w_out, tp_group=g.tp_group, cp_group=g.cp_group, cp_size=2,
                            cp_rank=g.cp_rank, latent_grads=latent_grads, kl_target=kl_target, where="tp x cp = 2 x 2")
-    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "dense_warmup", "mean", seed=310)
+    layer, cu, x, w_out = peaky_scenario([0, 8, 32, 48], "dense_warmup", "mean", seed=310)
     _check_equivalence(layer, cu, x, w_out, tp_group=g.tp_group, cp_group=g.cp_group, cp_size=2,
                        cp_rank=g.cp_rank, row_mask=torch.arange(48) >= 8, where="tp x cp = 2 x 2")
     # tp = 4 over the whole world: one head per rank
-    layer, cu, x, w_out = _scenario([0, 8, 32, 48], "sparse", "mean", seed=400)
+    layer, cu, x, w_out = peaky_scenario([0, 8, 32, 48], "sparse", "mean", seed=400)
     _check_equivalence(layer, cu, x, w_out, tp_group=None, where="tp=4")
 
     # groups mixed up: the layer runs TP over the CP group, while the tokens were sharded by the real
     # CP rank, so the TP "replicas" hold different tokens; every rank raises instead of training wrong
-    layer, cu, x, _ = _scenario([0, 8, 32, 48], "sparse", "mean", seed=7)
+    layer, cu, x, _ = peaky_scenario([0, 8, 32, 48], "sparse", "mean", seed=7)
     crossed = TensorParallelDSA.from_dense(layer, tp_group=g.cp_group)
     with pytest.raises(ValueError, match="the layer inputs differ .*: x .*share one CP rank"):
         cp_dsa_forward(crossed, shard_tokens(x, cu, 2, g.cp_rank), cu, group=g.tp_group)
@@ -257,19 +232,12 @@ def _worker_tp_cp(rank: int, world: int, init_file: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(fn, world: int) -> None:
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with tempfile.TemporaryDirectory() as d:
-        init_file = os.path.join(d, "init")
-        mp.start_processes(fn, args=(world, init_file), nprocs=world, join=True, start_method=method)
-
-
 def test_tp2_equals_single_process_and_errors():
-    _spawn(_worker_tp2, 2)
+    spawn(_worker_tp2, 2)
 
 
 def test_tp_x_cp_equals_single_process():
-    _spawn(_worker_tp_cp, 4)
+    spawn(_worker_tp_cp, 4)
 
 
 def test_tp_needs_process_group():

@@ -2,6 +2,7 @@
 # One GPU session on the device machine: unpack TileLang, build the kernels, run the GPU tests,
 # then the benchmarks. Everything it reports goes to $OUT (the device tool brings that folder back).
 #   bash tools/gpu_session.sh [tests|bench|all|final] [extra bench args...]
+# "notebooks": every notebook's code run as a script on the GPU (their GPU branches).
 # "final": the tests, the reference memory benchmark at 32K tokens, CP on NCCL (one rank) and the
 # DSAttention step benchmark.
 set -uo pipefail
@@ -20,6 +21,9 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = final ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$what" = notebooks ]; then
+  python3 tools/run_notebooks_as_scripts.py notebooks/*.ipynb --timeout 150 2>&1 | tee "$OUT/notebooks.log"
 fi
 if [ "$what" = final ]; then
   timeout 300 python3 benchmarks/bench_reference_memory.py --device cuda --seqlens 32768 --kinds layer \

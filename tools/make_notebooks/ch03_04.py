@@ -126,11 +126,11 @@ def heading(title: str) -> nbformat.NotebookNode:
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 3: the lightning indexer and top-k
+# Chapter 3.1: the lightning indexer and top-k
 
 CH3 = [
     md(r'''
-    # Chapter 3 — The lightning indexer and top-k selection
+    # Chapter 3.1 — The lightning indexer and top-k selection
 
     DeepSeek Sparse Attention lets each query attend to only $k$ keys (2048 in DeepSeek-V3.2). A
     second, much cheaper scorer decides which: the **lightning indexer**. For query $t$ and key $s$
@@ -175,7 +175,7 @@ CH3 = [
     `lightning_indexer(q, k, weights, starts=..., ends=...)` returns $I$ as a float32 `[T, S]`
     matrix, with $-\infty$ outside each query's key window $[\mathrm{starts}_t, \mathrm{ends}_t)$. For
     one causal sequence the window of query $t$ is keys $0..t$, so the finite scores form the lower
-    triangle. Beside it is the target the indexer is trained towards (chapter 4): the main
+    triangle. Beside it is the target the indexer is trained towards (chapter 3.2): the main
     attention's probabilities summed over heads and normalised over the window, $p_{t,s}$.
     '''),
     code(r'''
@@ -220,7 +220,7 @@ CH3 = [
     The untrained indexer's scores have nothing to do with where the main attention looks. Its
     picture is made of horizontal bands: the head weights $w_{t,j}$ of query $t$ scale (and may flip)
     its whole row. The correlation between $I_{t,:}$ and $\log p_{t,:}$ over each window, averaged
-    over the queries, is close to zero; the dense warm-up of chapter 4 is what changes that.
+    over the queries, is close to zero; the dense warm-up of chapter 3.2 is what changes that.
 
     The function is short enough to check by hand: one einsum for all heads' dot products, the ReLU,
     a weighted sum over heads, and the window mask.
@@ -390,7 +390,7 @@ CH3 = [
     The oracle curve is the ceiling for any indexer at this main attention: its head-summed
     attention is concentrated, so a few keys already cover much of it. Random selection covers on
     average $k$ divided by the window size. The untrained indexer is hardly better than random;
-    training it (chapter 4) moves it up towards the oracle. A noisy copy of $\log p$
+    training it (chapter 3.2) moves it up towards the oracle. A noisy copy of $\log p$
     shows how much room there is between: what matters for top-k is only the *order* of the scores
     near the top of each row.
     '''),
@@ -476,13 +476,13 @@ CH3 = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 4: sparse attention, the indexer loss and the training stages
+# Chapter 3.2: sparse attention, the indexer loss and the training stages
 
 CH4 = [
     md(r'''
-    # Chapter 4 — Sparse attention, the indexer loss and the two training stages
+    # Chapter 3.2 — Sparse attention, the indexer loss and the two training stages
 
-    Chapter 3 produced, for every query $t$, a set $S_t$ of at most $k$ keys. This notebook puts the
+    Chapter 3.1 produced, for every query $t$, a set $S_t$ of at most $k$ keys. This notebook puts the
     rest of DeepSeek Sparse Attention around it:
 
     1. **sparse attention**: softmax attention over $S_t$ only; with every window key selected it is
@@ -499,7 +499,7 @@ CH4 = [
     '''),
     code(SETUP),
     md(r'''
-    The same toy layer as in chapter 3: MLA's query and key up-projections are scaled by 3 so the
+    The same toy layer as in chapter 3.1: MLA's query and key up-projections are scaled by 3 so the
     main attention is not nearly uniform, and the inputs are embeddings from a vocabulary of 32
     tokens.
     '''),
@@ -733,7 +733,7 @@ CH4 = [
     its MLA frozen, Adam on `trainable_parameters("dense_warmup")`, a new batch of two packed
     64-token sequences every step. There is no language model around this layer, so the output
     gradient is zero and the whole gradient is the one the auto-scaler injects. Every 10 steps we
-    measure, on a fixed held-out sequence, the recall of attention mass of the top-8 set (chapter 3).
+    measure, on a fixed held-out sequence, the recall of attention mass of the top-8 set (chapter 3.1).
     '''),
     code(r'''
     warm = make_layer(seed=0)

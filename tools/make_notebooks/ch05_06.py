@@ -52,7 +52,7 @@ def notebook(prefix: str, cells: list[nbformat.NotebookNode]) -> nbformat.Notebo
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 5: packed THD sequences
+# Chapter 4.1: packed THD sequences
 
 SETUP_05 = r'''
 import matplotlib.pyplot as plt
@@ -79,7 +79,7 @@ print(f"lengths {lengths}, cu_seqlens {cu_seqlens.tolist()}, T = {T}, top-k = {T
 
 CH5 = [
     md(r'''
-    # Chapter 5 — Packed sequences (THD)
+    # Chapter 4.1 — Packed sequences (THD)
 
     Training data comes as documents of very different lengths. Padding each to the longest wastes
     compute, so the tokens of several documents are **packed** end to end into one token dimension
@@ -378,7 +378,7 @@ CH5 = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 6: context parallelism
+# Chapter 4.2: context parallelism
 
 SETUP_06 = r'''
 import os
@@ -426,7 +426,7 @@ def owners(shard_fn, cu_seqlens, cp_size):
 
 CH6 = [
     md(r'''
-    # Chapter 6 — Context parallelism
+    # Chapter 4.2 — Context parallelism
 
     At 128K tokens one GPU cannot hold a layer's activations, so the tokens are spread over
     `cp_size` ranks. A rank keeps its **queries** local but needs every **key** its queries may

@@ -49,7 +49,7 @@ def notebook(prefix: str, cells: list[nbformat.NotebookNode]) -> nbformat.Notebo
 
 CELLS = [
     md(r'''
-    # Chapter 8 — The TileLang fast path
+    # Chapter 5 — The TileLang fast path
 
     `dsa_ref/kernels/` holds GPU kernels, written in TileLang for Hopper (sm_90), for two functions of
     the earlier chapters: `sparse_mla` (the main attention over the selected keys, forward and

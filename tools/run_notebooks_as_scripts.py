@@ -1,0 +1,48 @@
+"""Run the code cells of notebooks as plain scripts, one process each (for machines without Jupyter).
+
+    python tools/run_notebooks_as_scripts.py notebooks/*.ipynb [--timeout 120]
+
+The GPU machine has no Jupyter; this checks there that every notebook's GPU branch runs. Each
+script runs with the notebook's folder as working directory (as mkdocs-jupyter and nbmake do)
+and a non-interactive matplotlib backend. Exit code 1 if any notebook fails.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="+")
+    parser.add_argument("--timeout", type=int, default=120)
+    args = parser.parse_args()
+    env = dict(os.environ, MPLBACKEND="Agg")
+    failed = 0
+    for name in args.notebooks:
+        path = Path(name).resolve()
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        script = "\n\n".join("".join(c["source"]) for c in cells)
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(script)
+        t0 = time.time()
+        try:
+            run = subprocess.run([sys.executable, f.name], cwd=path.parent, env=env, capture_output=True,
+                                 text=True, timeout=args.timeout)
+            ok, tail = run.returncode == 0, (run.stdout + run.stderr)[-1500:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {args.timeout} s"
+        failed += not ok
+        print(f"{'ok    ' if ok else 'FAILED'} {path.name}  {time.time() - t0:.1f} s", flush=True)
+        if not ok:
+            print(tail, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
