@@ -124,7 +124,7 @@ def check_dense_vs_absorbed() -> _Outcome:
 
 
 def check_sparse_window_equals_dense() -> _Outcome:
-    """Chapter 3: sparse_mla over every key of the window equals dense_mla_attention."""
+    """Chapter 3.2: sparse_mla over every key of the window equals dense_mla_attention."""
     from .attention import dense_mla_attention
     from .compare import compare
     from .layout import key_windows
@@ -149,7 +149,7 @@ def check_sparse_window_equals_dense() -> _Outcome:
 
 
 def check_sparse_slots() -> _Outcome:
-    """Chapter 3: duplicates count once per slot, -1 slots count nothing, empty rows give 0 / -inf with finite grads."""
+    """Chapter 3.2: duplicates count once per slot, -1 slots count nothing, empty rows give 0 / -inf with finite grads."""
     from .compare import compare
     from .sparse_attention import sparse_mla
 
@@ -176,7 +176,7 @@ def check_sparse_slots() -> _Outcome:
 
 
 def check_topk_ties() -> _Outcome:
-    """Chapter 3: topk_indices follows the canonical rule on exactly tied scores (lower index first)."""
+    """Chapter 3.1: topk_indices follows the canonical rule on exactly tied scores (lower index first)."""
     from .adversarial import exactly_tied_scores, valid_count_rows
     from .indexer import topk_indices
 
@@ -217,7 +217,7 @@ def check_topk_compare() -> _Outcome:
 
 
 def check_hadamard_invariance() -> _Outcome:
-    """Chapter 3: the Hadamard rotation of q and k leaves the index scores unchanged (float64)."""
+    """Chapter 3.1: the Hadamard rotation of q and k leaves the index scores unchanged (float64)."""
     from .compare import compare
     from .indexer import lightning_indexer, rotate_activation
     from .layout import key_windows
@@ -251,7 +251,7 @@ def _loss_inputs(seed: int):
 
 
 def check_loss_chunked() -> _Outcome:
-    """Chapter 3: indexer_loss chunked over queries equals the plain one-go form (both stages)."""
+    """Chapter 3.2: indexer_loss chunked over queries equals the plain one-go form (both stages)."""
     from .compare import compare
     from .indexer_loss import indexer_loss, indexer_loss_plain
 
@@ -265,7 +265,7 @@ def check_loss_chunked() -> _Outcome:
 
 
 def check_loss_grad() -> _Outcome:
-    """Chapter 3: the closed-form gradient softmax(I) - p equals autograd of indexer_loss (both stages)."""
+    """Chapter 3.2: the closed-form gradient softmax(I) - p equals autograd of indexer_loss (both stages)."""
     from .compare import compare
     from .indexer_loss import indexer_logit_grad, indexer_loss
 
@@ -280,7 +280,7 @@ def check_loss_grad() -> _Outcome:
 
 
 def check_packed_equals_per_sequence() -> _Outcome:
-    """Chapter 3/4: the DSA layer on packed sequences equals one call per sequence (float64)."""
+    """Chapters 3.2 and 4.1: the DSA layer on packed sequences equals one call per sequence (float64)."""
     from .compare import compare
     from .dsa import DSAttention
 
@@ -307,7 +307,7 @@ def check_packed_equals_per_sequence() -> _Outcome:
 
 
 def check_gradient_boundaries() -> _Outcome:
-    """Chapter 3: the KL loss reaches only the indexer; with its loss scale 0 the output gradient never does."""
+    """Chapter 3.2: the KL loss reaches only the indexer; with its loss scale 0 the output gradient never does."""
     from .dsa import DSAttention, set_indexer_loss_scale
 
     torch.manual_seed(16)
@@ -363,7 +363,7 @@ def _cp_worker(rank: int, world: int, init_file: str, queue) -> None:  # pragma:
 
 
 def check_context_parallel() -> _Outcome:
-    """Chapter 4: allgather CP on 2 gloo processes equals the single-process layer (float64)."""
+    """Chapter 4.2: allgather CP on 2 gloo processes equals the single-process layer (float64)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 

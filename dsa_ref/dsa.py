@@ -1,4 +1,4 @@
-r"""Chapter 3, part 4: the DSA attention layer and its two training stages.
+r"""Chapter 3.2, part 3: the DSA attention layer and its two training stages.
 
 `DSAttention` puts the pieces together for one layer, on packed tokens:
 

@@ -5,8 +5,11 @@ indexer query head and each indexer key (one block of 128 channels = one head ve
 scale per block:
 
 $$
+\begin{gathered}
 s = \frac{\max(\max_i |x_i|,\ 10^{-4})}{448}, \qquad s \leftarrow 2^{\lceil \log_2 s \rceil}
-\ \text{(power-of-two "ue8m0" scales)}, \qquad y = \operatorname{e4m3}\!\big(\operatorname{clamp}(x / s, \pm 448)\big),
+\ \text{(power-of-two "ue8m0" scales)}, \\
+y = \operatorname{e4m3}\!\big(\operatorname{clamp}(x / s, \pm 448)\big),
+\end{gathered}
 $$
 
 and the kernel computes $I_{t,s} = \sum_j w_{t,j}\, \mathrm{ReLU}\big((y^q_{t,j} s^q_{t,j}) \cdot (y^k_s s^k_s)\big)$

@@ -1,4 +1,4 @@
-r"""Chapter 3, part 1: the lightning indexer and top-k selection.
+r"""Chapter 3.1: the lightning indexer and top-k selection.
 
 DSA lets every query attend to only ``k`` keys (DeepSeek-V3.2: 2048). Which keys is decided by a
 small, cheap scorer, the **lightning indexer**:

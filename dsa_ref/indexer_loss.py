@@ -1,4 +1,4 @@
-r"""Chapter 3, part 3: the indexer's KL loss, for both training stages.
+r"""Chapter 3.2, part 2: the indexer's KL loss, for both training stages.
 
 The indexer is trained to predict where the main attention looks. For query ``t``, the **target**
 is the main attention's probabilities summed over heads and L1-normalised over keys,

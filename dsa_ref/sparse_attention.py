@@ -1,4 +1,4 @@
-r"""Chapter 3, part 2: sparse attention over the selected keys.
+r"""Chapter 3.2, part 1: sparse attention over the selected keys.
 
 Once every query ``t`` has its selected keys ``S_t`` (a row of ``topk`` indices, ``-1`` for an unused
 slot), attention is ordinary softmax attention restricted to them:

@@ -99,9 +99,13 @@ def test_gpu_checks_are_defined_at_deepseek_shapes():
     assert any("V3.2 shape" in n and "fwd" in n for n in names) and any("bwd" in n for n in names)
 
 
-@pytest.mark.skipif(shutil.which("dsa-ref") is None, reason="the package is not pip-installed here")
+# the script pip installs beside the interpreter (the venv's bin/ need not be on PATH)
+_SCRIPT = shutil.which("dsa-ref", path=os.path.dirname(sys.executable)) or shutil.which("dsa-ref")
+
+
+@pytest.mark.skipif(_SCRIPT is None, reason="the package is not pip-installed here")
 def test_console_script():
-    proc = subprocess.run(["dsa-ref", "verify", "--only", "fp8", "--json"], capture_output=True, text=True,
+    proc = subprocess.run([_SCRIPT, "verify", "--only", "fp8", "--json"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"] is True

@@ -11,40 +11,11 @@ themselves when `dsa_ref.dispatch.kernels_available()` says they can run, and sk
 
 from __future__ import annotations
 
-import argparse
 import sys
-import textwrap
-from pathlib import Path
 
-import nbformat
+from nbgen import code, main, md, notebook
 
-ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ROOT / "notebooks"
 NAME = "07_tilelang_fast_path.ipynb"
-
-
-def md(text: str) -> nbformat.NotebookNode:
-    return nbformat.v4.new_markdown_cell(textwrap.dedent(text).strip("\n"))
-
-
-def code(text: str) -> nbformat.NotebookNode:
-    return nbformat.v4.new_code_cell(textwrap.dedent(text).strip("\n"))
-
-
-def notebook(prefix: str, cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata = {
-        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-    }
-    for number, cell in enumerate(cells, start=1):
-        cell.id = f"{prefix}-{number:02d}"  # stable ids: regenerating gives no diff
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-    nb.cells = cells
-    nbformat.validate(nb)
-    return nb
 
 
 CELLS = [
@@ -394,7 +365,10 @@ CELLS = [
     the wrapper before the kernel), each step does
 
     $$
-    dP = dO\, V^\top, \qquad dS = P \odot (dP - \Delta)\,\sigma, \qquad
+    dP = dO\, V^\top, \qquad dS = P \odot (dP - \Delta)\,\sigma,
+    $$
+
+    $$
     dQ \mathrel{+}= dS\, K, \qquad dKV[\mathrm{idx}] \mathrel{+}= dS^\top Q + P^\top dO ,
     $$
 
@@ -728,22 +702,5 @@ CELLS = [
 ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="compare with the stored notebook, write nothing")
-    args = parser.parse_args()
-    text = nbformat.writes(notebook("ch07", CELLS)) + "\n"
-    path = NOTEBOOKS / NAME
-    if args.check:
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            print(f"stale (run tools/make_notebooks/ch07.py): {NAME}", file=sys.stderr)
-            return 1
-        return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {path.relative_to(ROOT)}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main({NAME: notebook("ch07", CELLS)}, doc=__doc__, script="ch07.py"))

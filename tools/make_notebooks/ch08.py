@@ -9,40 +9,11 @@ unless this script changed. The site build and the tests execute it fresh.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import textwrap
-from pathlib import Path
 
-import nbformat
+from nbgen import code, main, md, notebook
 
-ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ROOT / "notebooks"
 NAME = "08_checking_kernels.ipynb"
-
-
-def md(text: str) -> nbformat.NotebookNode:
-    return nbformat.v4.new_markdown_cell(textwrap.dedent(text).strip("\n"))
-
-
-def code(text: str) -> nbformat.NotebookNode:
-    return nbformat.v4.new_code_cell(textwrap.dedent(text).strip("\n"))
-
-
-def notebook(prefix: str, cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata = {
-        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-    }
-    for number, cell in enumerate(cells, start=1):
-        cell.id = f"{prefix}-{number:02d}"  # stable ids: regenerating gives no diff
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-    nb.cells = cells
-    nbformat.validate(nb)
-    return nb
 
 
 CELLS = [
@@ -319,22 +290,5 @@ CELLS = [
 ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="compare with the stored notebook, write nothing")
-    args = parser.parse_args()
-    text = nbformat.writes(notebook("ch08", CELLS)) + "\n"
-    path = NOTEBOOKS / NAME
-    if args.check:
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            print(f"stale (run tools/make_notebooks/ch08.py): {NAME}", file=sys.stderr)
-            return 1
-        return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {path.relative_to(ROOT)}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main({NAME: notebook("ch08", CELLS)}, doc=__doc__, script="ch08.py"))
