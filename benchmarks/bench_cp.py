@@ -16,7 +16,6 @@ Keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``), as the device machines requi
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,22 +31,13 @@ from dsa_ref.context_parallel import (  # noqa: E402
     reduce_loss_for_logging,
     shard_tokens,
 )
+from bench_kernels import cuda_time_ms  # noqa: E402  (benchmarks/ is the script folder)
 from dsa_ref.layout import one_sequence  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median step time over ``reps`` runs after one warm-up, the ranks lined up by a barrier each time."""
+    return cuda_time_ms(fn, warmup=1, reps=reps, before_each=dist.barrier)
 
 
 def check_small(rank: int, world: int) -> dict:

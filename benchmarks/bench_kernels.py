@@ -32,13 +32,18 @@ from dsa_ref.kernels.shapes import BENCH_TOPK, DIM, DIM_V, SM_SCALE  # noqa: E40
 H, H_I, D_I = 128, 64, 128
 
 
-def cuda_time_ms(fn, *, warmup=3, reps=20) -> float:
-    """Median wall time of ``fn()`` in ms, measured with CUDA events."""
+def cuda_time_ms(fn, *, warmup=3, reps=20, before_each=None) -> float:
+    """Median wall time of ``fn()`` in ms, measured with CUDA events.
+
+    ``before_each`` runs untimed before every timed call (the CP benchmark puts a barrier there).
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before_each is not None:
+            before_each()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -40,7 +40,7 @@ import torch
 from ._checks import check_dim, check_float, check_rank, check_same_device, check_scale, check_windows
 from .attention import auto_chunk_size, masked_softmax_with_lse
 from .layout import window_mask
-from .sparse_attention import check_indices
+from .sparse_attention import check_indices, first_occurrence
 
 __all__ = ["indexer_loss", "indexer_loss_plain", "indexer_target", "indexer_logit_grad", "masked_log_softmax",
            "valid_keys"]
@@ -222,14 +222,6 @@ def _dense_rows(index_scores, q, k, rows, starts, ends, row_mask, sm_scale, head
         target = _l1_normalise(summed).to(acc)  # [R, S]
     log_pred = masked_log_softmax(index_scores[rows].to(acc), valid)  # [R, S]
     return target, log_pred, valid
-
-
-def first_occurrence(idx: torch.Tensor) -> torch.Tensor:
-    """Bool ``[R, K]``: True at the first slot holding each index of a row (later duplicates False)."""
-    sorted_idx, order = torch.sort(idx, dim=-1, stable=True)  # equal indices stay in slot order
-    repeat = torch.zeros_like(idx, dtype=torch.bool)
-    repeat[:, 1:] = sorted_idx[:, 1:] == sorted_idx[:, :-1]  # [R, K] in sorted order
-    return ~torch.zeros_like(repeat).scatter(1, order, repeat)  # back to slot order
 
 
 def _selected_rows(index_scores, q, k, topk_indices, rows, starts, ends, row_mask, sm_scale, head_sum_reduce, acc):

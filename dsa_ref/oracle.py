@@ -36,7 +36,7 @@ from ._checks import check_float, check_int, check_scale, check_tensor
 from .compare import LSE_TOLERANCE, Comparison, Tolerance, TopkComparison, compare, compare_topk, tolerance_for
 from .indexer import lightning_indexer
 from .layout import check_cu_seqlens
-from .sparse_attention import sparse_mla
+from .sparse_attention import first_occurrence, sparse_mla
 
 __all__ = [
     "Convention",
@@ -471,14 +471,7 @@ def _convert_indices(indices, convention, g, *, cu_seqlens, q_start, topk_length
 
 def _repeated_slots(idx: torch.Tensor) -> torch.Tensor:
     """Bool ``[T, K]``: valid slots whose key already appeared in an earlier slot of the row."""
-    if idx.shape[1] < 2:
-        return torch.zeros_like(idx, dtype=torch.bool)
-    sorted_idx, order = torch.sort(idx, dim=1, stable=True)  # equal keys stay in slot order
-    repeat_sorted = torch.zeros_like(sorted_idx, dtype=torch.bool)
-    repeat_sorted[:, 1:] = (sorted_idx[:, 1:] == sorted_idx[:, :-1]) & (sorted_idx[:, 1:] >= 0)
-    out = torch.zeros_like(repeat_sorted)
-    out.scatter_(1, order, repeat_sorted)
-    return out
+    return (idx >= 0) & ~first_occurrence(idx)
 
 
 def to_reference_indices(indices: torch.Tensor, convention: Convention, *, num_keys: int,

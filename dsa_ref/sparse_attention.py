@@ -26,7 +26,7 @@ import torch
 from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_same_device, check_scale
 from .attention import auto_chunk_size, masked_softmax_with_lse, run_chunked
 
-__all__ = ["sparse_mla", "sparse_attention", "check_indices"]
+__all__ = ["sparse_mla", "sparse_attention", "check_indices", "first_occurrence"]
 
 
 def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: str = "indices") -> torch.Tensor:
@@ -51,6 +51,14 @@ def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: 
                 " (convert other sentinels, e.g. >= S_kv, to -1 first: see dsa_ref.oracle)"
             )
     return indices
+
+
+def first_occurrence(idx: torch.Tensor) -> torch.Tensor:
+    """Bool ``[R, K]``: True at the first slot holding each index of a row (later duplicates False)."""
+    sorted_idx, order = torch.sort(idx, dim=-1, stable=True)  # equal indices stay in slot order
+    repeat = torch.zeros_like(idx, dtype=torch.bool)
+    repeat[:, 1:] = sorted_idx[:, 1:] == sorted_idx[:, :-1]  # [R, K] in sorted order
+    return ~torch.zeros_like(repeat).scatter(1, order, repeat)  # back to slot order
 
 
 # --8<-- [start:sparse_mla]

@@ -82,9 +82,9 @@ class SparseMLAFunction(torch.autograd.Function):
         # base-2 LSE for the kernel; +inf for empty rows makes every recomputed P of the row 0
         lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        idx_b = _pad_indices(idx, bwd.BLOCK_S) if idx.shape[1] % bwd.BLOCK_S else idx
-        kernel = bwd.backward_kernel(H, D, ctx.d_v, idx_b.shape[1], ctx.sm_scale)
-        dq = kernel(q, kv, d_out.contiguous(), idx_b, lse2, delta.contiguous(), dkv)
+        # the forward padded the slots to a multiple of 64, hence of the backward's 32-row blocks
+        kernel = bwd.backward_kernel(H, D, ctx.d_v, idx.shape[1], ctx.sm_scale)
+        dq = kernel(q, kv, d_out.contiguous(), idx, lse2, delta.contiguous(), dkv)
         return dq, dkv.to(kv.dtype), None, None, None, None
 # --8<-- [end:sparse_mla_function]
 
@@ -149,7 +149,6 @@ class LightningIndexerFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, weights, starts_i, ends_i)
         ctx.has_windows = starts is not None
         ctx.relu = bool(relu)
-        ctx.weights_dtype = weights.dtype
         return scores
 
     @staticmethod
