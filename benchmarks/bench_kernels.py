@@ -7,7 +7,10 @@ indexer 64 x 128) it times, with CUDA events (median of many runs after warm-up)
 
 * sparse MLA forward (warp-specialised and simple schedules) and backward;
 * the indexer scores;
-* top-k over the indexer scores: the reference (stable sort, canonical ties) and ``torch.topk``;
+* top-k over the indexer scores: the radix-select kernel (set only, and in the reference order),
+  the reference (stable sort, canonical ties) and ``torch.topk`` (sorted and unsorted);
+* the slot path's kernels (chapter 5): the head-summed attention mass at the selected slots and
+  the index scores at the slots, forward and backward;
 * the readable reference of each, in the same run, for the ratio.
 
 TFLOP/s count every top-k slot (``-1`` slots included), as the kernels process them all:
@@ -118,6 +121,30 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, ref_reps: int) -> dict:
         scores = lightning_indexer_tilelang(iq, ik, iw, starts=st, ends=en)
         timed("topk_reference", lambda: topk_indices(scores, BENCH_TOPK), 0, ref_reps)
         timed("torch_topk", lambda: torch.topk(scores, BENCH_TOPK, dim=1), 0, reps)
+        timed("torch_topk_unsorted", lambda: torch.topk(scores, BENCH_TOPK, dim=1, sorted=False), 0, reps)
+        from dsa_ref.kernels.topk import topk_indices_tilelang
+
+        timed("topk_kernel", lambda: topk_indices_tilelang(scores, BENCH_TOPK, sorted=False), 0, reps)
+        timed("topk_kernel_sorted", lambda: topk_indices_tilelang(scores, BENCH_TOPK, sorted=True), 0, reps)
+        sel = topk_indices(scores, BENCH_TOPK)
+        row["topk_kernel_exact"] = bool(torch.equal(topk_indices_tilelang(scores, BENCH_TOPK), sel))
+
+    # the slot path's kernels: the attention mass for the KL target, the index scores at the slots
+    from dsa_ref.kernels.attention_target import attention_head_sum_tilelang
+    from dsa_ref.kernels.indexer_bwd import index_scores_at_tilelang
+
+    slot_flop = 2 * num_q * BENCH_TOPK * H_I * D_I
+    with torch.no_grad():
+        _, lse = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+        timed("head_sum", lambda: attention_head_sum_tilelang(q, kv, idx, lse, sm_scale=SM_SCALE),
+              2 * num_q * H * BENCH_TOPK * DIM, reps)
+        timed("scores_at", lambda: index_scores_at_tilelang(iq, ik, iw, idx), slot_flop, reps)
+    iqg, ikg, iwg = (t.clone().requires_grad_(True) for t in (iq, ik, iw))
+    s_at = index_scores_at_tilelang(iqg, ikg, iwg, idx)
+    d_s = torch.randn_like(s_at).masked_fill(idx < 0, 0)
+    timed("scores_at_bwd", lambda: torch.autograd.grad(s_at, (iqg, ikg, iwg), d_s, retain_graph=True),
+          3 * slot_flop, reps)
+    del s_at
     row["indexer_roofline_ms"] = idx_flop / 790e12 * 1e3  # measured bf16 matmul peak on this H200
     row["fwd_roofline_ms"] = fwd_flop / 790e12 * 1e3
     row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -149,6 +176,8 @@ def bench_layer(num_tokens: int, *, reps: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
             row[f"{stage}_{backend}_ms"] = cuda_time_ms(step, warmup=1, reps=reps)
             row[f"{stage}_{backend}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            with torch.no_grad():
+                row[f"{stage}_{backend}_loss"] = float(layer(x, stage=stage).indexer_loss)  # same on both paths
         row[f"{stage}_speedup"] = row[f"{stage}_reference_ms"] / row[f"{stage}_tilelang_ms"]
     return row
 
@@ -196,15 +225,17 @@ def markdown_table(meta: dict, rows: list[dict]) -> str:
     lines = [f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, tilelang {meta['tilelang']}",
              "",
              "| queries x keys | fwd WS ms (TFLOP/s) | fwd simple ms (TFLOP/s) | fwd ref ms | bwd ms (TFLOP/s) | "
-             "bwd ref ms | indexer ms (TFLOP/s, roofline ms) | indexer ref ms | top-k ref ms | torch.topk ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "bwd ref ms | indexer ms (TFLOP/s, roofline ms) | indexer ref ms | top-k ref ms | torch.topk ms "
+             "(unsorted) | top-k kernel ms (sorted) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['num_q']} x {r['num_kv']} | {r['fwd_ws_ms']:.2f} ({r['fwd_ws_tflops']:.0f}) | "
             f"{r['fwd_simple_ms']:.2f} ({r['fwd_simple_tflops']:.0f}) | {r['fwd_reference_ms']:.1f} | "
             f"{r['bwd_ms']:.2f} ({r['bwd_tflops']:.0f}) | {r['bwd_reference_ms']:.1f} | "
             f"{r['indexer_ms']:.3f} ({r['indexer_tflops']:.0f}, {r['indexer_roofline_ms']:.3f}) | "
-            f"{r['indexer_reference_ms']:.2f} | {r['topk_reference_ms']:.2f} | {r['torch_topk_ms']:.2f} |")
+            f"{r['indexer_reference_ms']:.2f} | {r['topk_reference_ms']:.2f} | {r['torch_topk_ms']:.2f} "
+            f"({r['torch_topk_unsorted_ms']:.2f}) | {r['topk_kernel_ms']:.2f} ({r['topk_kernel_sorted_ms']:.2f}) |")
     return "\n".join(lines)
 
 

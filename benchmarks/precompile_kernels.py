@@ -1,6 +1,6 @@
 """Compile every TileLang kernel the GPU tests and benchmarks use, in parallel processes.
 
-    python benchmarks/precompile_kernels.py [--jobs N]
+    python benchmarks/precompile_kernels.py [--jobs N] [--tune]
 
 TileLang keeps compiled kernels in its disk cache (``~/.tilelang/cache``), so later processes
 load them in milliseconds. Set ``DSA_REF_TILELANG_ARCH=sm_90a`` to compile for Hopper on a machine
@@ -17,11 +17,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _build(job):
+    """Compile one job in a worker; a compiler error comes back as text (TileLang's errors do not
+    pickle, and an exception that cannot cross the process boundary would break the whole pool)."""
     from dsa_ref.kernels.shapes import build
 
     t0 = time.time()
-    build(*job)
-    return job, time.time() - t0
+    try:
+        build(*job)
+    except Exception as err:  # noqa: BLE001 - reported and counted by the caller
+        return job, time.time() - t0, f"{type(err).__name__}: {str(err)[-2000:]}"
+    return job, time.time() - t0, None
 
 
 def main() -> int:
@@ -29,8 +34,14 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--tune", action="store_true", help="also the variants of benchmarks/tune_kernels.py")
     args = parser.parse_args()
     jobs = kernel_set()
+    if args.tune:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from tune_kernels import variant_builds
+
+        jobs += variant_builds()
     t0 = time.time()
     failed = 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -38,11 +49,14 @@ def main() -> int:
         for fut in as_completed(futures):
             job = futures[fut]
             try:
-                _, seconds = fut.result()
-                print(f"compiled {job[0]:18s} {job[1]}  {seconds:6.1f} s", flush=True)
-            except Exception as err:  # report every failure, then fail
+                _, seconds, error = fut.result()
+            except Exception as err:  # the worker itself died
+                seconds, error = 0.0, f"{type(err).__name__}: {err}"
+            if error is None:
+                print(f"compiled {job[0]:18s} {job[1:]}  {seconds:6.1f} s", flush=True)
+            else:  # report every failure, then fail
                 failed += 1
-                print(f"FAILED   {job[0]:18s} {job[1]}: {type(err).__name__}: {str(err)[-2000:]}", flush=True)
+                print(f"FAILED   {job[0]:18s} {job[1:]}: {error}", flush=True)
     print(f"{len(jobs) - failed}/{len(jobs)} kernels in {time.time() - t0:.1f} s")
     return 1 if failed else 0
 

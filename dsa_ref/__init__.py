@@ -20,7 +20,7 @@ from .attention import dense_mla_attention
 from .compare import TOLERANCES, Tolerance, attention_mass_recall, compare, compare_topk
 from .config import DSAConfig, IndexerConfig, MLAConfig, RopeConfig, deepseek_v32, tiny
 from .dsa import DSAOutput, DSAttention, IndexerLossAutoScaler, set_indexer_loss_scale
-from .indexer import LightningIndexer, lightning_indexer, topk_indices
+from .indexer import LightningIndexer, index_scores_at, lightning_indexer, topk_indices
 from .indexer_loss import indexer_loss
 from .layout import cp_shard_index, key_windows, positions, window_mask
 from .mla import MLA
@@ -37,7 +37,7 @@ from .oracle import (
     check_sparse_mla_backward,
     check_topk,
 )
-from .sparse_attention import sparse_mla
+from .sparse_attention import attention_head_sum, sparse_mla
 
 __version__ = "0.1.0"
 
@@ -77,9 +77,11 @@ __all__ = [
     "indexer_loss",
     "key_windows",
     "lightning_indexer",
+    "index_scores_at",
     "positions",
     "set_indexer_loss_scale",
     "sparse_mla",
+    "attention_head_sum",
     "tiny",
     "topk_indices",
     "window_mask",

@@ -82,9 +82,33 @@ def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True, backe
 
 
 def topk_indices(scores, topk, *, backend="reference"):
-    """`dsa_ref.topk_indices` for every backend: there is no TileLang top-k kernel (yet).
+    """`dsa_ref.topk_indices` through the chosen backend (the kernel returns the same indices, same order)."""
+    return _run("topk_indices", backend, _indexer.topk_indices, (scores, topk), {}, scores.device)
 
-    The reference (a stable sort, so ties go to the lower index) runs on the scores' device.
+
+def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i):
+    """The kernels of the slot path (`dsa_ref.slot_path`) for `DSAttention`, or ``None``.
+
+    ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means: take the
+    readable steps of chapter 3. ``backend="tilelang"`` raises instead when they cannot run.
     """
     check_backend(backend)
-    return _indexer.topk_indices(scores, topk)
+    if backend == "reference":
+        return None
+    if q.device.type != "cuda":
+        ok, reason = False, f"inputs are on {q.device}, not CUDA"
+    else:
+        ok, reason = kernels_available()
+    if ok:
+        from . import kernels
+
+        ops = kernels.slot_ops(q, kv, q_i, k_i, w_i)
+        if ops is not None:
+            return ops
+        reason = "the slot-path kernels declined these shapes"
+    if backend == "tilelang":
+        raise RuntimeError(f"backend='tilelang' was asked for the layer's kernels, but {reason}")
+    if "slot_ops" + reason not in _said:
+        _said.add("slot_ops" + reason)
+        _log.debug("dsa_ref: DSAttention takes the readable path: %s", reason)
+    return None

@@ -38,6 +38,7 @@ from .indexer import LightningIndexer
 from .indexer_loss import indexer_loss
 from .layout import key_windows, positions
 from .mla import MLA, check_tokens, tokens_cu_seqlens
+from .slot_path import attention_and_loss_on_slots
 
 __all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "set_indexer_loss_scale"]
 
@@ -175,6 +176,16 @@ class DSAttention(nn.Module):
         # 3. top-k selection (no gradient)
         topk = dispatch.topk_indices(scores.detach(), cfg.indexer.topk, backend=self.backend)  # [T_q, topk]
 
+        # 4-5 with kernels: the same math on [T, K] slot tensors (chapter 5, `dsa_ref.slot_path`)
+        ops = dispatch.slot_ops(self.backend, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i)
+        if ops is not None:
+            o_latent, loss = attention_and_loss_on_slots(
+                q, kv, q_i, k_i, w_i, topk, stage=stage, sm_scale=self.mla.softmax_scale,
+                d_v=cfg.mla.kv_lora_rank, relu=cfg.indexer.use_relu, starts=starts, ends=ends,
+                reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
+                head_sum_reduce=head_sum_reduce, row_mask=loss_row_mask, ops=ops)
+            return self._finish(o_latent, loss, topk)
+
         # 4. main attention over the window (warm-up) or over the selection (sparse)
         if stage == "dense_warmup":
             o_latent, _ = dense_mla_attention(q, kv, sm_scale=self.mla.softmax_scale,
@@ -189,11 +200,15 @@ class DSAttention(nn.Module):
                             reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
                             head_sum_reduce=head_sum_reduce, row_mask=loss_row_mask)
 
+        return self._finish(o_latent, loss, topk)
+    # --8<-- [end:attend]
+
+    def _finish(self, o_latent: torch.Tensor, loss: torch.Tensor, topk: torch.Tensor) -> DSAOutput:
+        """Output projection, and the indexer loss's gradient attached to the output (auto-scaler)."""
         out = self.absorbed.output(o_latent)  # [T_q, dim]
         if torch.is_grad_enabled() and loss.requires_grad:
             out = IndexerLossAutoScaler.apply(out, loss, self.loss_scale)
         return DSAOutput(out, loss, topk)
-    # --8<-- [end:attend]
 
 
 def set_indexer_loss_scale(module: nn.Module, scale: float | torch.Tensor) -> None:

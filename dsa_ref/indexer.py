@@ -42,7 +42,7 @@ from .config import DSAConfig
 from .mla import check_tokens
 from .rope import apply_rope, rope_cos_sin, rope_dtype_for, rope_inv_freq
 
-__all__ = ["LightningIndexer", "lightning_indexer", "topk_indices", "hadamard_matrix", "rotate_activation"]
+__all__ = ["LightningIndexer", "lightning_indexer", "index_scores_at", "topk_indices", "hadamard_matrix", "rotate_activation"]
 
 
 def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -193,6 +193,57 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *
     (scores,) = run_chunked(score, T, chunk, (q, weights, starts, ends), (k,))
     return scores
 # --8<-- [end:lightning_indexer]
+
+
+# --8<-- [start:index_scores_at]
+def index_scores_at(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, *,
+                    relu: bool = True, chunk_size: int | None = None) -> torch.Tensor:
+    """The index scores of the selected keys only: ``out[t, j] = I[t, indices[t, j]]``.
+
+    The same numbers as ``lightning_indexer(q, k, weights)`` gathered at ``indices`` (without key
+    windows: the selection already respects them), computed from the gathered keys, so it costs
+    ``O(T K)`` instead of ``O(T S)``. The sparse-stage KL loss needs nothing else from the indexer;
+    the TileLang path (chapter 5) computes it, and its backward, with kernels.
+
+    Args:
+        q: ``[T, H_I, D_I]`` indexer queries.
+        k: ``[S, D_I]`` indexer keys.
+        weights: ``[T, H_I]`` head weights.
+        indices: int ``[T, K]`` selected keys, ``-1`` = unused slot (duplicates allowed).
+        relu: as in `lightning_indexer`.
+        chunk_size: queries per chunk; bounds the ``[chunk, H_I, K]`` intermediate.
+
+    Returns:
+        ``[T, K]`` float32 (float64 for float64 inputs); ``-inf`` at ``-1`` slots.
+    """
+    from .sparse_attention import check_indices
+
+    check_float("q", q)
+    check_float("k", k)
+    check_float("weights", weights)
+    check_rank("q", q, 3, "[T, H_I, D_I]")
+    check_rank("k", k, 2, "[S, D_I]")
+    check_rank("weights", weights, 2, "[T, H_I]")
+    check_same_device(q=q, k=k, weights=weights, indices=indices)
+    T, H, D = q.shape
+    check_dim("k", k, 1, D, "q's head dim D_I")
+    check_dim("weights", weights, 0, T, "one row per query")
+    check_dim("weights", weights, 1, H, "one weight per indexer head")
+    indices = check_indices(indices, T, k.shape[0])
+    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, weights.dtype) else torch.float32
+
+    def score(q_c, w_c, idx_c, k_):
+        k_sel = k_[idx_c.clamp_min(0)].to(acc)  # [C, K, D_I]; -1 slots read key 0, masked below
+        logits = torch.einsum("thd,tkd->thk", q_c.to(acc), k_sel)  # [C, H_I, K]
+        if relu:
+            logits = logits.relu()
+        scores = torch.einsum("thk,th->tk", logits, w_c.to(acc))  # [C, K]
+        return (scores.masked_fill(idx_c < 0, float("-inf")),)
+
+    chunk = auto_chunk_size(T, H * max(indices.shape[1], 1), chunk_size)
+    (scores,) = run_chunked(score, T, chunk, (q, weights, indices), (k,))
+    return scores
+# --8<-- [end:index_scores_at]
 
 
 # --8<-- [start:topk_indices]

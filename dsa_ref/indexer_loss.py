@@ -42,7 +42,7 @@ from .attention import auto_chunk_size, masked_softmax_with_lse
 from .layout import window_mask
 from .sparse_attention import check_indices, first_occurrence
 
-__all__ = ["indexer_loss", "indexer_loss_plain", "indexer_target", "indexer_logit_grad", "masked_log_softmax",
+__all__ = ["indexer_loss", "indexer_loss_on_slots", "indexer_loss_plain", "indexer_target", "indexer_logit_grad", "masked_log_softmax",
            "valid_keys"]
 
 _REDUCTIONS = ("mean", "sum")
@@ -198,15 +198,63 @@ def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *
         else:
             target, log_pred, valid = _selected_rows(index_scores, q, k, topk_indices, rows, starts, ends,
                                                      row_mask, sm_scale, head_sum_reduce, acc)  # [R, K] each
-        # KL per row; xlogy gives 0 * log 0 = 0 where the target is 0
-        kl_rows = (torch.xlogy(target, target) - target * log_pred).sum(dim=-1)  # [R]
-        total = total + kl_rows.sum()
+        total = total + _kl_rows(target, log_pred).sum()
         rows_counted += int(valid.any(dim=-1).sum())
+    return _reduce(total, rows_counted, reduction, num_rows, coeff)
+# --8<-- [end:indexer_loss]
+
+
+def _kl_rows(target: torch.Tensor, log_pred: torch.Tensor) -> torch.Tensor:
+    """``sum_s p log p - p log q`` per row; xlogy gives ``0 * log 0 = 0`` where the target is 0."""
+    return (torch.xlogy(target, target) - target * log_pred).sum(dim=-1)  # [R]
+
+
+def _reduce(total: torch.Tensor, rows_counted, reduction: str, num_rows, coeff: float) -> torch.Tensor:
+    """``coeff * total`` (``"sum"``) or ``coeff * total / rows`` (``"mean"``; ``num_rows`` overrides)."""
     if reduction == "mean":
         denominator = rows_counted if num_rows is None else num_rows
         total = total / torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp_min(1)
     return total * coeff
-# --8<-- [end:indexer_loss]
+
+
+# --8<-- [start:indexer_loss_on_slots]
+def indexer_loss_on_slots(slot_scores: torch.Tensor, attention_mass: torch.Tensor, valid: torch.Tensor, *,
+                          reduction: str = "mean", coeff: float = 1.0, num_rows: int | torch.Tensor | None = None,
+                          head_sum_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The indexer KL loss from per-slot quantities: what the kernel path computes.
+
+    `indexer_loss` scores every valid key itself; this takes the pieces already gathered on the
+    ``K`` slots of each query's valid set (the selection in the sparse stage, the whole window in
+    the dense warm-up):
+
+    Args:
+        slot_scores: ``[T, K]`` index scores at the slots (`index_scores_at`); gradients flow into it.
+        attention_mass: ``[T, K]`` main attention probabilities summed over this module's heads
+            (`attention_head_sum`); detached, not yet normalised.
+        valid: bool ``[T, K]``: the slots of the valid set, each key at most once.
+        reduction, coeff, num_rows, head_sum_reduce: as in `indexer_loss` (``head_sum_reduce``
+            is applied once, to the whole ``[T, K]`` mass).
+
+    Returns:
+        A scalar in the accumulation dtype. Equal to `indexer_loss` on the same valid sets.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if slot_scores.shape != attention_mass.shape or valid.shape != slot_scores.shape or slot_scores.dim() != 2:
+        raise ValueError(f"slot_scores, attention_mass and valid must share one [T, K] shape, got "
+                         f"{tuple(slot_scores.shape)}, {tuple(attention_mass.shape)}, {tuple(valid.shape)}")
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    acc = torch.float64 if slot_scores.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        mass = attention_mass.detach().to(acc).masked_fill(~valid, 0.0)  # [T, K]
+        if head_sum_reduce is not None:
+            mass = head_sum_reduce(mass)  # e.g. the sum over the heads of every TP rank
+        target = _l1_normalise(mass)  # [T, K]
+    log_pred = masked_log_softmax(slot_scores.to(acc), valid)  # [T, K]
+    total = _kl_rows(target, log_pred).sum()
+    return _reduce(total, valid.any(dim=-1).sum(), reduction, num_rows, coeff)
+# --8<-- [end:indexer_loss_on_slots]
 
 
 def _dense_rows(index_scores, q, k, rows, starts, ends, row_mask, sm_scale, head_sum_reduce, acc):

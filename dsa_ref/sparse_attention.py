@@ -26,7 +26,7 @@ import torch
 from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_same_device, check_scale
 from .attention import auto_chunk_size, masked_softmax_with_lse, run_chunked
 
-__all__ = ["sparse_mla", "sparse_attention", "check_indices", "first_occurrence"]
+__all__ = ["sparse_mla", "sparse_attention", "attention_head_sum", "check_indices", "first_occurrence"]
 
 
 def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: str = "indices") -> torch.Tensor:
@@ -109,6 +109,59 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_s
     chunk = auto_chunk_size(T, max(H * K, K * D), chunk_size)
     return run_chunked(attend, T, chunk, (q, indices), (kv,))
 # --8<-- [end:sparse_mla]
+
+
+# --8<-- [start:attention_head_sum]
+def attention_head_sum(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, *,
+                       sm_scale: float, chunk_size: int | None = None) -> torch.Tensor:
+    """The attention probabilities of each selected slot, summed over heads (no gradient).
+
+    ``out[t, j] = sum_h exp(sm_scale * q[t, h] . kv[indices[t, j]] - lse[t, h])``, with ``lse``
+    the log-sum-exp that `sparse_mla` returned for the same ``indices``: each head's probabilities
+    over the slots, summed over heads. L1-normalised over the valid slots this is the indexer
+    loss's target in the sparse stage (and, with the whole window as the selection, in the dense
+    warm-up); the TileLang path computes it with a kernel instead of re-running the softmax.
+
+    Args:
+        q: ``[T, H, D]`` absorbed queries; kv: ``[S, D]`` latent rows (``[S, 1, D]`` accepted).
+        indices: int ``[T, K]``, ``-1`` = unused slot.
+        lse: ``[T, H]`` natural-log LSE of this attention (``-inf`` for rows with no valid slot).
+        sm_scale: the attention's softmax scale.
+        chunk_size: queries per chunk (memory only).
+
+    Returns:
+        ``[T, K]`` float32 (float64 for float64 inputs): 0 at ``-1`` slots and in empty rows.
+    """
+    check_float("q", q)
+    check_float("kv", kv)
+    check_float("lse", lse)
+    check_rank("q", q, 3, "[T, H, D]")
+    if kv.dim() == 3:
+        check_dim("kv", kv, 1, 1, "one latent row per key ([S, 1, D] is accepted)")
+        kv = kv[:, 0]
+    check_rank("kv", kv, 2, "[S, D]")
+    check_rank("lse", lse, 2, "[T, H]")
+    check_same_device(q=q, kv=kv, indices=indices, lse=lse)
+    T, H, D = q.shape
+    check_dim("kv", kv, 1, D, "q's width D")
+    check_dim("lse", lse, 0, T, "one row per query")
+    check_dim("lse", lse, 1, H, "one LSE per head")
+    indices = check_indices(indices, T, kv.shape[0])
+    sm_scale = check_scale("sm_scale", sm_scale)
+    acc = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
+
+    def mass(q_c, idx_c, lse_c, kv_):
+        kv_sel = kv_[idx_c.clamp_min(0)].to(acc)  # [C, K, D]; -1 slots read row 0, masked below
+        logits = torch.einsum("thd,tkd->thk", q_c.to(acc), kv_sel) * sm_scale  # [C, H, K]
+        lse_safe = torch.where(torch.isinf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)  # empty: p = 0
+        probs = torch.exp(logits - lse_safe.to(acc)[:, :, None])  # [C, H, K]
+        return (probs.sum(dim=1).masked_fill(idx_c < 0, 0.0),)  # [C, K]
+
+    with torch.no_grad():
+        chunk = auto_chunk_size(T, H * max(indices.shape[1], 1), chunk_size)
+        (out,) = run_chunked(mass, T, chunk, (q.detach(), indices, lse.detach()), (kv.detach(),))
+    return out
+# --8<-- [end:attention_head_sum]
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, *,

@@ -52,3 +52,28 @@ def test_dsattention_tilelang_matches_reference(stage):
     assert rel_l2(dx_fast, dx_ref) < REL
     for name in g_ref:
         assert rel_l2(g_fast[name], g_ref[name]) < REL, name
+
+
+def test_dsattention_tilelang_takes_the_slot_path_and_the_topk_kernel(monkeypatch):
+    """The fast layer must really run the kernels: count the calls of each slot-path kernel."""
+    from dsa_ref import dispatch, kernels
+
+    cfg = gpu_small()
+    layer = DSAttention(cfg, stage="sparse", backend="tilelang", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, cfg.mla.dim, device="cuda", dtype=torch.bfloat16)
+    ops = dispatch.slot_ops("tilelang", q=torch.zeros(4, 16, 576, device="cuda", dtype=torch.bfloat16),
+                            kv=torch.zeros(8, 576, device="cuda", dtype=torch.bfloat16),
+                            q_i=torch.zeros(4, 16, 128, device="cuda", dtype=torch.bfloat16),
+                            k_i=torch.zeros(8, 128, device="cuda", dtype=torch.bfloat16),
+                            w_i=torch.zeros(4, 16, device="cuda"))
+    assert ops is not None and ops.sparse_mla.__module__.startswith("dsa_ref.kernels")
+    calls = []
+    real_topk = kernels.topk_indices
+    monkeypatch.setattr(kernels, "topk_indices", lambda *a, **k: calls.append("topk") or real_topk(*a, **k))
+    res = layer(x)
+    assert calls == ["topk"]
+    assert torch.isfinite(res.output).all() and torch.isfinite(res.indexer_loss)
+    # float32 layers are not supported by the kernels: auto falls back to the readable path
+    assert dispatch.slot_ops("auto", q=torch.zeros(4, 16, 576, device="cuda"), kv=torch.zeros(8, 576, device="cuda"),
+                             q_i=torch.zeros(4, 16, 128, device="cuda"), k_i=torch.zeros(8, 128, device="cuda"),
+                             w_i=torch.zeros(4, 16, device="cuda")) is None

@@ -12,6 +12,9 @@ relative to the reference's largest magnitude) and why:
   1e-6 relative error, exp2/log2 in fast math about 1e-6: bound ``MAX_LSE = 1e-3`` absolute.
 * ``dq``, ``dkv``: ``P`` and ``dS`` are rounded to bf16 before their GEMMs and the results are
   rounded to bf16: a few 2^-9 relative errors compounded: bound ``REL_GRAD = 1.5e-2``.
+* ``Delta`` (the backward's ``sum_d out * d_out``, fp32): products of bf16 values are exact in
+  fp32 and a sum of 512 of them carries about 512 * 2^-24 relative error of the sum of absolute
+  values: bound ``MAX_DELTA = 1e-5`` of ``sum_d |out * d_out|``.
 """
 
 import pytest
@@ -23,7 +26,7 @@ from gpu_helpers import causal_packed_indices, max_abs, messy_indices, rel_l2, r
 
 pytestmark = [requires_kernels, pytest.mark.gpu]
 
-REL_OUT, MAX_OUT, MAX_LSE, REL_GRAD = 6e-3, 8 * 2**-9, 1e-3, 1.5e-2
+REL_OUT, MAX_OUT, MAX_LSE, REL_GRAD, MAX_DELTA = 6e-3, 8 * 2**-9, 1e-3, 1.5e-2, 1e-5
 
 
 def _inputs(T, S, H, seed):
@@ -102,6 +105,19 @@ def test_backward_matches_reference(H):
     assert (qk.grad[empty] == 0).all()
 
 
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+def test_delta_kernel_matches_float64(H):
+    from dsa_ref.kernels.sparse_mla_bwd import delta_kernel
+
+    g = torch.Generator(device="cpu").manual_seed(H)
+    out = torch.randn(77, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
+    d_out = (torch.randn(77, H, DIM_V, generator=g) * 3).to("cuda", torch.bfloat16)
+    delta = delta_kernel(H, DIM_V)(out, d_out)  # [T, H]
+    prod = out.double() * d_out.double()
+    assert delta.shape == (77, H) and delta.dtype == torch.float32
+    assert ((delta.double() - prod.sum(-1)).abs() <= MAX_DELTA * prod.abs().sum(-1)).all()
+
+
 def test_backward_through_lse():
     """A gradient on lse (d lse / d s = p) is folded into Delta by the wrapper."""
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
@@ -131,3 +147,25 @@ def test_dispatch_auto_uses_the_kernel_and_falls_back():
     assert out32.dtype == torch.float32
     with pytest.raises(RuntimeError, match="declined"):
         dispatch.sparse_mla(q.float(), kv.float(), idx, sm_scale=SM_SCALE, d_v=DIM_V, backend="tilelang")
+
+
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
+    """Rows visit only their blocks up to the last valid slot; K need not be a compile-time size.
+
+    Same inputs with the valid slots first and 320 trailing -1 slots (K = 448, not a multiple of
+    128) must give the same result as without the padding, and rows of every length work.
+    """
+    from dsa_ref.kernels.autograd import sparse_mla_tilelang
+
+    T, S, H = 96, 700, 64
+    q, kv = _inputs(T, S, H, seed=21)
+    g = torch.Generator(device="cpu").manual_seed(21)
+    idx = torch.randint(0, S, (T, 128), generator=g)
+    lengths = torch.arange(T) * 128 // T  # 0 ... 126 valid slots per row
+    idx = torch.where(torch.arange(128)[None] < lengths[:, None], idx, -1).cuda()
+    padded = torch.cat([idx, torch.full((T, 320), -1, device="cuda", dtype=idx.dtype)], dim=1)
+    out_a, lse_a = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
+    out_b, lse_b = sparse_mla_tilelang(q, kv, padded, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    _check_forward(q, kv, padded, schedule)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-__all__ = ["available", "sparse_mla", "lightning_indexer"]
+__all__ = ["available", "sparse_mla", "lightning_indexer", "topk_indices", "slot_ops"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,4 +51,31 @@ def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True):
     if indexer_supported(q, k, weights) is not None:
         return None
     return lightning_indexer_tilelang(q, k, weights, starts=starts, ends=ends, relu=relu)
+
+
+def topk_indices(scores, topk):
+    """`dsa_ref.topk_indices` on the TileLang radix-select kernel, or ``None`` for unsupported inputs."""
+    from .topk import topk_indices_tilelang, topk_supported
+
+    if topk_supported(scores, topk) is not None:
+        return None
+    return topk_indices_tilelang(scores, topk, sorted=True)
+
+
+def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
+    """The kernels of `dsa_ref.slot_path` as a `SlotOps`, or ``None`` if one of them declines."""
+    from ..slot_path import SlotOps
+    from .attention_target import attention_head_sum_supported, attention_head_sum_tilelang
+    from .autograd import sparse_mla_supported, sparse_mla_tilelang
+    from .indexer_bwd import index_scores_at_supported, index_scores_at_tilelang
+
+    probe_idx = torch.zeros(q.shape[0], 1, dtype=torch.int32, device=q.device)  # shapes only
+    probe_lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+    reasons = (sparse_mla_supported(q, kv, probe_idx, d_v),
+               attention_head_sum_supported(q, kv, probe_idx, probe_lse),
+               index_scores_at_supported(q_i, k_i, w_i, probe_idx))
+    if any(r is not None for r in reasons):
+        return None
+    return SlotOps(sparse_mla=sparse_mla_tilelang, attention_head_sum=attention_head_sum_tilelang,
+                   index_scores_at=index_scores_at_tilelang)
 # --8<-- [end:decline]

@@ -25,6 +25,20 @@ def _pad_indices(indices: torch.Tensor, multiple: int) -> torch.Tensor:
 # --8<-- [end:pad_indices]
 
 
+# --8<-- [start:block_counts]
+def _block_counts(indices: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 ``[T]``: how many ``block``-slot blocks of each row reach its last valid slot.
+
+    The kernels visit only these blocks, so trailing ``-1`` slots (a short causal window, or the
+    padding to the kernel's block) are never gathered or computed. A row with no valid slot gets 0.
+    """
+    K = indices.shape[1]
+    slot_end = torch.arange(1, K + 1, device=indices.device, dtype=torch.int32)  # [K]
+    last = torch.where(indices >= 0, slot_end, 0).amax(dim=1)  # [T]: one past the last valid slot
+    return ((last + block - 1) // block).to(torch.int32).contiguous()
+# --8<-- [end:block_counts]
+
+
 # ----------------------------------------------------------------------------- sparse MLA
 
 
@@ -57,12 +71,13 @@ class SparseMLAFunction(torch.autograd.Function):
         q, kv = q.contiguous(), kv.contiguous()
         T, H, D = q.shape
         if schedule == "warp_specialized" and H % 64 == 0:
-            idx = _pad_indices(indices, 2 * fwd.BLOCK_I)
-            kernel = fwd.warp_specialized_kernel(H, D, d_v, idx.shape[1], float(sm_scale))
+            step = 2 * fwd.BLOCK_I  # one 64-row block per stage, two stages per loop step
+            kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
         else:
-            idx = _pad_indices(indices, fwd.BLOCK_I)
-            kernel = fwd.simple_kernel(H, D, d_v, idx.shape[1], float(sm_scale))
-        out, lse = kernel(q, kv, idx)
+            step = fwd.BLOCK_I
+            kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
+        idx = _pad_indices(indices, step)  # [T, K'] int32
+        out, lse = kernel(q, kv, idx, _block_counts(idx, step))
         ctx.save_for_backward(q, kv, idx, out, lse)
         ctx.sm_scale, ctx.d_v = float(sm_scale), d_v
         return out, lse
@@ -75,7 +90,8 @@ class SparseMLAFunction(torch.autograd.Function):
         T, H, D = q.shape
         if d_out is None:
             d_out = torch.zeros_like(out)
-        delta = (out.float() * d_out.float()).sum(-1)  # [T, H]
+        d_out = d_out.contiguous()
+        delta = bwd.delta_kernel(H, ctx.d_v)(out, d_out)  # [T, H] fp32: sum_d out * d_out
         if d_lse is not None:
             # d lse / d s_j = p_j, so a gradient on lse folds into Delta: dS = P * (dP - (Delta - d_lse))
             delta = delta - d_lse.float()
@@ -83,8 +99,9 @@ class SparseMLAFunction(torch.autograd.Function):
         lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         # the forward padded the slots to a multiple of 64, hence of the backward's 32-row blocks
-        kernel = bwd.backward_kernel(H, D, ctx.d_v, idx.shape[1], ctx.sm_scale)
-        dq = kernel(q, kv, d_out.contiguous(), idx, lse2, delta.contiguous(), dkv)
+        kernel = bwd.backward_kernel(H, D, ctx.d_v, ctx.sm_scale)
+        counts = _block_counts(idx, bwd.BLOCK_S)  # [T]
+        dq = kernel(q, kv, d_out, idx, counts, lse2, delta.contiguous(), dkv)
         return dq, dkv.to(kv.dtype), None, None, None, None
 # --8<-- [end:sparse_mla_function]
 

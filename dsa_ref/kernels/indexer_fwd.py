@@ -19,8 +19,8 @@ import tilelang.language as T
 
 from ._target import compile_target
 
-BLOCK_N = 128  # keys per tile
-BLOCK_Q = 8  # queries per block
+BLOCK_N = 64  # keys per tile
+BLOCK_Q = 2  # queries per block: small blocks, so that two fit on an SM (benchmarks/tune_kernels.py)
 
 _PASS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
@@ -29,62 +29,93 @@ _PASS = {
 
 # --8<-- [start:indexer_kernel]
 @functools.lru_cache(maxsize=None)
-def indexer_kernel(heads: int, dim: int, relu: bool = True):
+def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BLOCK_Q, pingpong: bool = True,
+                   block_n: int = BLOCK_N):
     """Compile the indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
 
     Kernel arguments: ``Q [T, H_I, D_I]`` bf16, ``K [S, D_I]`` bf16, ``W [T, H_I]`` fp32,
     ``Starts [T]``, ``Ends [T]`` int32, ``Scores [T, S]`` fp32 (pre-filled with -inf, written in place).
+
+    ``pingpong=True`` overlaps the tensor cores with the epilogue: two accumulators take turns,
+    the GEMM of query ``i + 1`` is issued (asynchronously, ``T.wgmma_gemm``) before the ReLU,
+    weighting and head sum of query ``i`` run on the CUDA cores. ``block_q`` queries (even) share
+    each key tile of ``block_n`` keys (loaded one tile ahead). These are tuning knobs
+    (``benchmarks/tune_kernels.py``): more queries per block read the keys fewer times, fewer let
+    two blocks share an SM.
     """
     if heads not in (16, 32, 64):
         raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
     if dim % 16:
         raise ValueError(f"indexer head dim must be a multiple of 16, got {dim}")
+    if block_q % 2:
+        raise ValueError(f"block_q must be even, got {block_q}")
     num_q, num_kv = T.dynamic("num_q"), T.dynamic("num_kv")
     bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def epilogue(logits, row, w_s, qi, t0, s0, Starts, Ends, Scores):
+        """``Scores[t0 + qi, s0 + n] = sum_h w[h] * relu(logits[n, h])`` inside the window."""
+        for n, h in T.Parallel(block_n, heads):
+            if relu:
+                logits[n, h] = T.max(logits[n, h], 0) * w_s[qi, h]
+            else:
+                logits[n, h] = logits[n, h] * w_s[qi, h]
+        T.reduce_sum(logits, row, dim=1)  # [block_n]: the sum over heads
+        t = T.min(t0 + qi, num_q - 1)
+        for n in T.Parallel(block_n):
+            if t0 + qi < num_q and s0 + n < num_kv:
+                if s0 + n >= Starts[t] and s0 + n < Ends[t]:
+                    Scores[t, s0 + n] = row[n]
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), K: T.Tensor((num_kv, dim), bf16),
              W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
              Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
-        with T.Kernel(T.ceildiv(num_q, BLOCK_Q), threads=128) as bx:
-            q_s = T.alloc_shared((BLOCK_Q, heads, dim), bf16)
-            k_s = T.alloc_shared((BLOCK_N, dim), bf16)
-            w_s = T.alloc_shared((BLOCK_Q, heads), f32, scope="shared")
-            logits = T.alloc_fragment((BLOCK_N, heads), f32)
-            row = T.alloc_fragment((BLOCK_N,), f32)
+        with T.Kernel(T.ceildiv(num_q, block_q), threads=128) as bx:
+            q_s = T.alloc_shared((block_q, heads, dim), bf16)
+            k_s = T.alloc_shared((block_n, dim), bf16)
+            w_s = T.alloc_shared((block_q, heads), f32, scope="shared")
+            logits = T.alloc_fragment((block_n, heads), f32)  # [keys, heads]
+            logits_b = T.alloc_fragment((block_n, heads), f32)  # the second accumulator (pingpong)
+            row = T.alloc_fragment((block_n,), f32)
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
-            t0 = bx * BLOCK_Q
+            t0 = bx * block_q
 
             # the key range any query of this block can see
             lo = num_kv
             hi = 0
-            for qi in T.serial(BLOCK_Q):
+            for qi in T.serial(block_q):
                 if t0 + qi < num_q:
                     lo = T.min(lo, Starts[t0 + qi])
                     hi = T.max(hi, Ends[t0 + qi])
-            for qi, h, d in T.Parallel(BLOCK_Q, heads, dim):
+            for qi, h, d in T.Parallel(block_q, heads, dim):
                 q_s[qi, h, d] = T.if_then_else(t0 + qi < num_q, Q[T.min(t0 + qi, num_q - 1), h, d], 0)
-            for qi, h in T.Parallel(BLOCK_Q, heads):
+            for qi, h in T.Parallel(block_q, heads):
                 w_s[qi, h] = T.if_then_else(t0 + qi < num_q, W[T.min(t0 + qi, num_q - 1), h], 0)
 
-            first_tile = lo // BLOCK_N
-            for kt in T.Pipelined(T.max(T.ceildiv(hi, BLOCK_N) - first_tile, 0), num_stages=2):
-                s0 = (first_tile + kt) * BLOCK_N
-                T.copy(K[s0:s0 + BLOCK_N, :], k_s)  # rows past the end are never stored below
-                for qi in T.unroll(BLOCK_Q):
-                    T.gemm(k_s, q_s[qi, :, :], logits, transpose_B=True, clear_accum=True)  # [keys, heads]
-                    for n, h in T.Parallel(BLOCK_N, heads):
-                        if relu:
-                            logits[n, h] = T.max(logits[n, h], 0) * w_s[qi, h]
+            first_tile = lo // block_n
+            for kt in T.Pipelined(T.max(T.ceildiv(hi, block_n) - first_tile, 0), num_stages=2):
+                s0 = (first_tile + kt) * block_n
+                T.copy(K[s0:s0 + block_n, :], k_s)  # rows past the end are never stored below
+                if pingpong:
+                    # queries 2p and 2p+1 take turns: one accumulator's GEMM runs while the other's
+                    # epilogue does; wait_wgmma(1) = "all but the newest GEMM are done"
+                    T.wgmma_gemm(k_s, q_s[0, :, :], logits, transpose_B=True, clear_accum=True)
+                    for pair in T.unroll(block_q // 2):
+                        T.wgmma_gemm(k_s, q_s[2 * pair + 1, :, :], logits_b, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(1)
+                        epilogue(logits, row, w_s, 2 * pair, t0, s0, Starts, Ends, Scores)
+                        if pair + 1 < block_q // 2:
+                            T.wgmma_gemm(k_s, q_s[2 * pair + 2, :, :], logits, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(1)
                         else:
-                            logits[n, h] = logits[n, h] * w_s[qi, h]
-                    T.reduce_sum(logits, row, dim=1)
-                    t = t0 + qi
-                    for n in T.Parallel(BLOCK_N):
-                        if t < num_q and s0 + n < num_kv:
-                            if s0 + n >= Starts[T.min(t, num_q - 1)] and s0 + n < Ends[T.min(t, num_q - 1)]:
-                                Scores[t, s0 + n] = row[n]
+                            T.wait_wgmma(0)
+                        epilogue(logits_b, row, w_s, 2 * pair + 1, t0, s0, Starts, Ends, Scores)
+                else:
+                    for qi in T.unroll(block_q):
+                        T.gemm(k_s, q_s[qi, :, :], logits, transpose_B=True, clear_accum=True)  # [keys, heads]
+                        epilogue(logits, row, w_s, qi, t0, s0, Starts, Ends, Scores)
 
     return tilelang.compile(main, pass_configs=_PASS, target=compile_target())
 # --8<-- [end:indexer_kernel]

@@ -1,7 +1,8 @@
 """The kernel instances the GPU tests and benchmarks use, in one place.
 
-TileLang specialises a kernel on its compile-time sizes (heads, widths, top-k, softmax scale), so
-every distinct combination is a separate compilation (seconds each). Tests and benchmarks stick
+TileLang specialises a kernel on its compile-time sizes (heads, widths, softmax scale; the numbers
+of queries, keys and top-k slots are runtime sizes), so every distinct combination is a separate
+compilation (seconds each). Tests and benchmarks stick
 to the combinations below, and `benchmarks/precompile_kernels.py` builds them all in parallel
 before a GPU session.
 """
@@ -11,7 +12,7 @@ from ..config import deepseek_v32
 SM_SCALE = deepseek_v32().mla.softmax_scale  # 192 ** -0.5 * mscale ** 2 = 0.13523...
 DIM, DIM_V = 576, 512  # absorbed MLA: latent 512 + rope 64; values = the latent
 INDEXER_DIM = 128
-TEST_TOPK = 128  # tests pad any K <= 128 to this
+TEST_TOPK = 128  # the tests' top-k (kernels take any K at run time)
 BENCH_TOPK = 2048
 TEST_HEADS = (16, 32, 64, 128)
 INDEXER_HEADS = (16, 32, 64)
@@ -21,26 +22,38 @@ def kernel_set():
     """``(builder_name, args)`` pairs for every kernel the tests and benchmarks compile."""
     jobs = []
     for h in TEST_HEADS:
-        jobs.append(("simple", (h, DIM, DIM_V, TEST_TOPK, SM_SCALE)))
-        jobs.append(("backward", (h, DIM, DIM_V, TEST_TOPK, SM_SCALE)))
+        jobs.append(("simple", (h, DIM, DIM_V, SM_SCALE)))
+        jobs.append(("backward", (h, DIM, DIM_V, SM_SCALE)))
+        jobs.append(("delta", (h, DIM_V)))
         if h % 64 == 0:
-            jobs.append(("warp_specialized", (h, DIM, DIM_V, TEST_TOPK, SM_SCALE)))
-    jobs.append(("simple", (128, DIM, DIM_V, BENCH_TOPK, SM_SCALE)))
-    jobs.append(("warp_specialized", (128, DIM, DIM_V, BENCH_TOPK, SM_SCALE)))
-    jobs.append(("backward", (128, DIM, DIM_V, BENCH_TOPK, SM_SCALE)))
+            jobs.append(("warp_specialized", (h, DIM, DIM_V, SM_SCALE)))
     for h in INDEXER_HEADS:
         jobs.append(("indexer", (h, INDEXER_DIM, True)))
+        jobs.append(("scores_at", (h, INDEXER_DIM, True)))
+        jobs.append(("scores_at_backward", (h, INDEXER_DIM, True)))
+    jobs.append(("scores_at", (64, INDEXER_DIM, False)))
+    jobs.append(("scores_at_backward", (64, INDEXER_DIM, False)))
+    jobs.append(("scores_at", (16, 64, True)))
+    jobs.append(("scores_at_backward", (16, 64, True)))
+    jobs.append(("topk", ()))
+    for h in TEST_HEADS:
+        jobs.append(("head_sum", (h, DIM, SM_SCALE)))
     return jobs
 
 
-def build(name, args):
+def build(name, args, kwargs=None):
     """Compile one kernel of `kernel_set` (TileLang caches it on disk)."""
-    from . import indexer_fwd, sparse_mla_bwd, sparse_mla_fwd
+    from . import attention_target, indexer_bwd, indexer_fwd, sparse_mla_bwd, sparse_mla_fwd, topk
 
     builders = {
         "simple": sparse_mla_fwd.simple_kernel,
         "warp_specialized": sparse_mla_fwd.warp_specialized_kernel,
         "backward": sparse_mla_bwd.backward_kernel,
+        "delta": sparse_mla_bwd.delta_kernel,
         "indexer": indexer_fwd.indexer_kernel,
+        "scores_at": indexer_bwd.selected_scores_kernel,
+        "scores_at_backward": indexer_bwd.indexer_backward_kernel,
+        "topk": topk.topk_kernel,
+        "head_sum": attention_target.head_sum_probs_kernel,
     }
-    return builders[name](*args)
+    return builders[name](*args, **(kwargs or {}))

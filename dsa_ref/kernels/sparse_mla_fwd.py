@@ -22,7 +22,9 @@ Two schedules of the same math:
 
 Conventions at this boundary: indices int32, ``-1`` = unused slot (masked, never read), natural-log
 LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. ``K`` must be a multiple of 64
-(the wrapper pads with ``-1``).
+(the wrapper pads with ``-1``). ``K`` is not a compile-time constant: one compiled kernel serves
+every top-k. Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the
+``-1`` padding of short windows (early queries of a causal sequence) costs nothing.
 """
 
 
@@ -41,6 +43,9 @@ _PASS_SIMPLE = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    # K is a runtime size, so TileLang would guard every load of Indices with ``slot < K``; the
+    # wrapper pads K to a multiple of 64 and checks every index against [-1, S) before the launch
+    tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
 }
 
 
@@ -57,21 +62,25 @@ def head_blocking(heads: int) -> tuple[int, int]:
 
 # --8<-- [start:simple_kernel]
 @functools.lru_cache(maxsize=None)
-def simple_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float,
+def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
                   num_stages: int = 2, threads: int = 256):
-    """Compile the simple sparse MLA forward for these sizes (any number of queries and keys)."""
-    if topk % BLOCK_I:
-        raise ValueError(f"topk must be a multiple of {BLOCK_I}, got {topk}")
+    """Compile the simple sparse MLA forward for these sizes (any number of queries, keys, slots).
+
+    Kernel arguments: ``Q [T, H, D]``, ``KV [S, D]`` bf16, ``Indices [T, K]`` int32 (``K`` a
+    multiple of 64), ``NumBlocks [T]`` int32 (how many 64-slot blocks of each row to visit: the
+    blocks after the last valid slot hold only ``-1`` and are skipped); returns ``Out [T, H, dim_v]``
+    bf16 and ``Lse [T, H]`` fp32. The loop's trip count is a runtime value, so TileLang 0.1.15 needs
+    its epilogue unrolled explicitly (``pragma_unroll_explicit``) to pipeline it.
+    """
     hb, per_query = head_blocking(heads)
     dim_tail = dim - dim_v
     scale2 = sm_scale * LOG2E  # exp(x * sm_scale) == exp2(x * scale2)
-    num_q, num_kv = T.dynamic("num_q"), T.dynamic("num_kv")
-    n_blocks = topk // BLOCK_I
+    num_q, num_kv, topk = T.dynamic("num_q"), T.dynamic("num_kv"), T.dynamic("topk")
     bf16, f32 = "bfloat16", "float32"
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
-             Indices: T.Tensor((num_q, topk), "int32"),
+             Indices: T.Tensor((num_q, topk), "int32"), NumBlocks: T.Tensor((num_q,), "int32"),
              Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
         with T.Kernel(num_q * per_query, threads=threads) as bx:
             t = bx // per_query
@@ -95,7 +104,8 @@ def simple_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float,
             T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v])
             T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:])
 
-            for blk in T.Pipelined(n_blocks, num_stages=num_stages):
+            for blk in T.Pipelined(NumBlocks[t], num_stages=num_stages,
+                                   annotations={"pragma_unroll_explicit": True}):
                 for i in T.Parallel(BLOCK_I):
                     valid[i] = Indices[t, blk * BLOCK_I + i] >= 0
                 # gather the selected rows; a -1 slot reads row 0 instead and is masked below
@@ -130,7 +140,7 @@ def simple_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float,
             T.copy(acc_o, Out[t, h0:h0 + hb, :])
             T.copy(l, Lse[t, h0:h0 + hb])
 
-    return tilelang.compile(main, out_idx=[3, 4], pass_configs=_PASS_SIMPLE, target=compile_target())
+    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_SIMPLE, target=compile_target())
 # --8<-- [end:simple_kernel]
 
 
@@ -139,8 +149,11 @@ _PASS_WS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
 @functools.lru_cache(maxsize=None)
-def warp_specialized_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scale: float):
+def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
     """Compile the warp-specialised sparse MLA forward (64 heads per block, two KV stages).
+
+    Arguments as for `simple_kernel`, except that ``K`` is a multiple of 128 and ``NumBlocks``
+    counts *pairs* of 64-slot blocks (one per stage).
 
     Warpgroups (128 threads each):
 
@@ -158,24 +171,22 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scal
     hb, per_query = head_blocking(heads)
     if hb != 64:
         raise ValueError(f"the warp-specialised kernel needs 64-head blocks, got heads={heads}")
-    if topk % (2 * BLOCK_I):
-        raise ValueError(f"topk must be a multiple of {2 * BLOCK_I}, got {topk}")
     if dim % 64 or dim_v % 2:
         raise ValueError(f"dim must be a multiple of 64 and dim_v even, got {dim}, {dim_v}")
     half = dim_v // 2
     scale2 = sm_scale * LOG2E
-    num_q, num_kv = T.dynamic("num_q"), T.dynamic("num_kv")
-    n_pairs = topk // (2 * BLOCK_I)  # the loop steps over pairs of blocks, one per stage
+    num_q, num_kv, topk = T.dynamic("num_q"), T.dynamic("num_kv"), T.dynamic("topk")
     bf16, f32 = "bfloat16", "float32"
     chunks_per_row = dim // 64  # each producer thread copies 8 channels of every 64-channel chunk
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
-             Indices: T.Tensor((num_q, topk), "int32"),
+             Indices: T.Tensor((num_q, topk), "int32"), NumBlocks: T.Tensor((num_q,), "int32"),
              Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
         with T.Kernel(num_q * per_query, threads=384) as bx:
             t = bx // per_query
             h0 = (bx % per_query) * hb
+            n_pairs = NumBlocks[t]  # the loop steps over pairs of blocks, one per stage
             q_s = T.alloc_shared((hb, dim), bf16)
             o_s = q_s  # Q is dead once the last QK is issued: reuse its space to stage the output
             kv_s = T.alloc_shared((2, BLOCK_I, dim), bf16)
@@ -288,5 +299,5 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, topk: int, sm_scal
                                 )
                         T.cp_async_barrier_noinc(kv_ready[stage])
 
-    return tilelang.compile(main, out_idx=[3, 4], pass_configs=_PASS_WS, target=compile_target())
+    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
 # --8<-- [end:warp_specialized_kernel]

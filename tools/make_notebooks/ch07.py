@@ -22,11 +22,13 @@ CELLS = [
     md(r'''
     # Chapter 5 — The TileLang fast path
 
-    `dsa_ref/kernels/` holds GPU kernels, written in TileLang for Hopper (sm_90), for two functions of
-    the earlier chapters: `sparse_mla` (the main attention over the selected keys, forward and
-    backward) and `lightning_indexer` (the index scores, forward). They compute what the readable
-    functions compute, in the same conventions, and `dsa_ref.dispatch` hands work to them only when
-    asked to. This notebook looks inside them:
+    `dsa_ref/kernels/` holds GPU kernels, written in TileLang for Hopper (sm_90), for every step of
+    the layer's attention: `sparse_mla` (the main attention over the selected keys, forward and
+    backward), `lightning_indexer` (the index scores), `topk_indices`, and the pieces of the indexer
+    loss on the selected slots (the attention mass summed over heads, the index scores at the slots
+    and their backward; the chapter's page explains this "slot path"). They compute what the
+    readable functions compute, in the same conventions, and `dsa_ref.dispatch` hands work to them
+    only when asked to. This notebook looks inside the two largest:
 
     1. how the sparse MLA forward cuts the problem into blocks of threads and steps of 64 selected
        rows, and how the warp-specialised schedule splits a step over three warpgroups (two figures);
@@ -465,17 +467,19 @@ CELLS = [
     ## 4. The indexer kernel
 
     The index score is $I_{t,s} = \sum_j w_{t,j}\, \mathrm{ReLU}(q_{t,j} \cdot k_s)$ over $H_I = 64$
-    heads of width 128, for keys $s$ in the query's window. One block of 128 threads owns 8
+    heads of width 128, for keys $s$ in the query's window. One block of 128 threads owns 2
     consecutive queries, keeps their `[64, 128]` queries in shared memory, and walks the key tiles
-    that any of the 8 can see, loading each `[128 keys, 128]` tile once for all of them. Per query
-    and tile, one tensor-core product, then ReLU, the head weights and the **sum over heads**.
+    that either can see, loading each `[64 keys, 128]` tile once for both. Per query and tile, one
+    tensor-core product, then ReLU, the head weights and the **sum over heads**. (More queries per
+    block would read each tile fewer times, but fill the shared memory so that only one block fits
+    on an SM; 2 queries measured fastest.)
 
     That sum is where the layout matters. A tensor-core product leaves its fp32 result spread over
     the threads in a fixed pattern: in every 16 x 8 piece, row $r$ belongs to the four threads of one
     *quad* (lanes $4(r \bmod 8)$ to $4(r \bmod 8)+3$), each holding two adjacent columns. If heads are
     the rows (`[H_I, keys]`, the natural way to write it), the sum over heads runs down a column,
     across all eight quads of a warp and across the warps: shuffles and a trip through shared memory.
-    The kernel computes the product the other way round, `logits [128 keys, H_I] = K_tile @ q_t^T`:
+    The kernel computes the product the other way round, `logits [64 keys, H_I] = K_tile @ q_t^T`:
     **keys on rows, heads on columns**, so the sum over heads runs along a row -- each thread adds its
     own columns, then two shuffles inside its quad finish the job.
     '''),
@@ -515,7 +519,7 @@ CELLS = [
     pre-filled with $-\infty$.
     '''),
     code(r'''
-    def emulate_indexer(q, k, w, starts, ends, block_q=8, block_n=128):
+    def emulate_indexer(q, k, w, starts, ends, block_q=2, block_n=64):
         """indexer_fwd.indexer_kernel's loops, in float64."""
         T_, S = q.shape[0], k.shape[0]
         scores = torch.full((T_, S), -math.inf, dtype=torch.float64)   # the wrapper pre-fills -inf
@@ -524,7 +528,7 @@ CELLS = [
             ts = range(t0, min(t0 + block_q, T_))
             lo, hi = min(int(starts[t]) for t in ts), max(int(ends[t]) for t in ts)
             for s0 in range((lo // block_n) * block_n, hi, block_n):   # key tiles any of them sees
-                k_tile = kf[s0:s0 + block_n]                            # loaded once for all 8 queries
+                k_tile = kf[s0:s0 + block_n]                            # loaded once for the block's queries
                 keys = torch.arange(s0, s0 + k_tile.shape[0])
                 for t in ts:
                     logits = k_tile @ qf[t].T                           # [keys, heads]: keys on rows
@@ -556,12 +560,13 @@ CELLS = [
     $2 T H k (576 + 512)$, the backward $2 T H k (3 \cdot 576 + 2 \cdot 512)$; the indexer counts the
     (query, key) pairs inside the causal windows, $2 \cdot \text{pairs} \cdot 64 \cdot 128$). The
     queries are the last $T$ positions of one causal sequence of $S$ keys. The results of the run of
-    2026-12-02 are stored in the repository:
+    2026-12-03 are stored in the repository (the kernels and the layer step in two files):
     '''),
     code(r'''
-    RESULTS = Path("..") / "benchmarks" / "results" / "2026-12-02_h200_kernels.json"   # run from notebooks/
+    RESULTS = Path("..") / "benchmarks" / "results" / "2026-12-03_h200_kernels.json"   # run from notebooks/
+    LAYERS = RESULTS.with_name("2026-12-03_h200_bench_layers.json")
     bench = json.loads(RESULTS.read_text())
-    meta, rows, layers = bench["meta"], bench["rows"], bench["layers"]
+    meta, rows, layers = bench["meta"], bench["rows"], json.loads(LAYERS.read_text())["layers"]
     print(f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, tilelang {meta['tilelang']}")
     print(f"{'queries x keys':>15} {'fwd WS':>8} {'fwd simple':>11} {'bwd':>6} {'indexer':>8} {'fwd ref':>8}   TFLOP/s")
     for r in rows:
@@ -603,22 +608,19 @@ CELLS = [
     plt.show()
     '''),
     md(r'''
-    The warp-specialised forward reaches 500 TFLOP/s at 4096 queries over 8192 keys, 63% of the
-    measured matrix-product peak, and beats the simple schedule by 21-49%. Its rate follows the share
-    of queries whose window holds at least 2048 keys: all of them at 4096 x 8192, 87.5% at 16K,
-    75% at 8K and half at 4096 x 4096, where it drops to 340 TFLOP/s. The other queries fill their
-    rows with `-1` slots, which the kernel still gathers (row 0) and multiplies, and which the
-    FLOP count still counts; that they cost *more* time than valid slots (the same 8192 blocks of
-    the same work take 6.9 ms at 4096 x 4096 and 4.7 ms at 4096 x 8192) is measured, the reason is
-    not. The backward stays near 160-170 TFLOP/s, short of its target of 200; the indexer takes
-    2.9-3.8 times its compute roofline.
+    At 4096 queries over 8192 keys, where every slot is valid, the warp-specialised forward runs
+    at about 480-520 TFLOP/s from run to run (482 in this one), 61-65% of the measured
+    matrix-product peak, and 1.4x the simple schedule. At the causal shapes with short windows
+    the rate reads higher still (609 at 4096 x 4096): a row stops after its last valid slot, but
+    the FLOP count keeps counting the `-1` slots it skipped. The backward reaches 179 TFLOP/s
+    there, short of its target of 200; the indexer takes 2.2 times its compute roofline (1.97 at
+    16K x 16K).
 
-    For a whole layer step, the sparse stage runs 8.8x faster at 4K tokens and 3.8x at 8K. The
-    parts still on the reference -- the top-k, the indexer's backward (which recomputes the scores
-    through the readable code) and the KL target of the loss -- are not accelerated, and the first
-    two grow with the square of the sequence length. The dense warm-up gains nothing: its main
-    attention and its KL target are dense, there is no dense kernel here, and they run on the
-    reference. The page *Benchmarks* of this site has the full tables and a verdict on each target.
+    For a whole layer step both stages run on the kernels: the sparse stage 37x faster than the
+    reference at 4K tokens and 25x at 8K, the dense warm-up 11x and 13x. The warm-up takes the same
+    kernels as the sparse stage, with every key of the window as a "selected" slot (the slot path
+    of the chapter). The page *Benchmarks* of this site has the full tables and a verdict on each
+    target.
 
     ## 6. The kernels themselves
 

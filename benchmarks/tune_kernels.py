@@ -1,0 +1,155 @@
+"""Time the tuning variants of the TileLang kernels against each other on one GPU.
+
+    python benchmarks/tune_kernels.py [--shapes 4096x8192,4096x4096] [--out tune.json]
+
+Each kernel builder takes a few schedule knobs; this script times every variant listed in
+`VARIANTS` on the same random inputs (CUDA events, median of 20 runs after warm-up), checks that
+every variant computes the same result as the default one, and prints a table. The defaults in
+the kernel files are the winners of the last run (see docs/benchmarks.md).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_kernels import H_I, D_I, cuda_time_ms, shape_inputs  # noqa: E402
+from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE  # noqa: E402
+
+H = 128
+# keyword arguments of every variant, on top of the kernel's defaults; the first one of each kernel
+# (the defaults) is the one the others are checked against
+VARIANTS = {
+    "indexer": [dict(), dict(block_q=8, block_n=128), dict(block_q=4, block_n=128), dict(block_n=128),
+                dict(pingpong=False), dict(block_n=128, pingpong=False), dict(block_q=4)],
+    "backward": [dict(), dict(policy="FullCol"), dict(bounds_checks=True), dict(fast_math=False)],
+    "topk": [dict(), dict(threads=512), dict(threads=1024)],
+}
+
+
+def variant_builds():
+    """``(name, args, kwargs)`` of every variant, for precompiling."""
+    jobs = []
+    for kw in VARIANTS["indexer"]:
+        jobs.append(("indexer", (H_I, D_I, True), kw))
+    for kw in VARIANTS["backward"]:
+        jobs.append(("backward", (H, DIM, DIM_V, SM_SCALE), kw))
+    for kw in VARIANTS["topk"]:
+        jobs.append(("topk", (), kw))
+    return jobs
+
+
+def _build_or_none(builder, args, kw, rows, name):
+    """Compile one variant; a variant TileLang cannot compile is recorded as such, not fatal."""
+    try:
+        return builder(*args, **kw)
+    except Exception as err:  # noqa: BLE001 - any compiler error just disqualifies the variant
+        rows.append({"kernel": name, **kw, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+        return None
+
+
+def tune_indexer(x, reps):
+    from dsa_ref.kernels.indexer_fwd import indexer_kernel
+
+    q, k, w = x["iq"], x["ik"], x["iw"].float().contiguous()
+    st, en = x["starts"].to(torch.int32).contiguous(), x["ends"].to(torch.int32).contiguous()
+    pairs = int((en - st).sum())
+    flop = 2 * pairs * H_I * D_I
+    rows, first = [], None
+    for kw in VARIANTS["indexer"]:
+        kernel = _build_or_none(indexer_kernel, (H_I, D_I, True), kw, rows, "indexer")
+        if kernel is None:
+            continue
+        scores = torch.full((q.shape[0], k.shape[0]), float("-inf"), device="cuda")
+        ms = cuda_time_ms(lambda: kernel(q, k, w, st, en, scores), reps=reps)
+        if first is None:
+            first = scores.clone()
+        same = bool(torch.equal(torch.isinf(scores), torch.isinf(first))) and float(
+            (scores - first).nan_to_num().abs().max()) < 1e-3 * float(first[torch.isfinite(first)].abs().max())
+        rows.append({"kernel": "indexer", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
+    return rows
+
+
+def tune_backward(x, reps):
+    from dsa_ref.kernels import sparse_mla_bwd as bwd
+    from dsa_ref.kernels.autograd import LOG2E, _block_counts, _pad_indices, sparse_mla_tilelang
+
+    q, kv = x["q"], x["kv"]
+    idx = _pad_indices(x["idx"], 128)
+    with torch.no_grad():
+        out, lse = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    d_out = torch.randn_like(out)
+    delta = (out.float() * d_out.float()).sum(-1).contiguous()
+    lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+    counts = _block_counts(idx, bwd.BLOCK_S)
+    flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (3 * DIM + 2 * DIM_V)
+    rows, first = [], None
+    for kw in VARIANTS["backward"]:
+        kernel = _build_or_none(bwd.backward_kernel, (H, DIM, DIM_V, SM_SCALE), kw, rows, "backward")
+        if kernel is None:
+            continue
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+
+        def run():
+            dkv.zero_()
+            return kernel(q, kv, d_out, idx, counts, lse2, delta, dkv)
+
+        ms = cuda_time_ms(run, reps=reps)
+        dq = run()
+        if first is None:
+            first = (dq.float(), dkv.clone())
+        same = all(float((a - b).norm() / b.norm()) < 1e-2 for a, b in zip((dq.float(), dkv), first))
+        rows.append({"kernel": "backward", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
+    return rows
+
+
+def tune_topk(x, reps):
+    """The radix select alone (set output, no NaN check) on the benchmark's indexer scores."""
+    from dsa_ref.kernels.autograd import lightning_indexer_tilelang
+    from dsa_ref.kernels.topk import topk_kernel
+    from dsa_ref.kernels.shapes import BENCH_TOPK
+
+    scores = lightning_indexer_tilelang(x["iq"], x["ik"], x["iw"], starts=x["starts"], ends=x["ends"])
+    rows, first = [], None
+    for kw in VARIANTS["topk"]:
+        kernel = _build_or_none(topk_kernel, (), kw, rows, "topk")
+        if kernel is None:
+            continue
+        out = torch.empty(scores.shape[0], BENCH_TOPK, dtype=torch.int64, device="cuda")
+        ms = cuda_time_ms(lambda: kernel(scores, out), reps=reps)
+        if first is None:
+            first = out.clone()
+        rows.append({"kernel": "topk", **kw, "ms": ms, "matches_first": bool(torch.equal(out, first))})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="4096x8192,4096x4096")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default="tune_kernels.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("tune_kernels needs a CUDA GPU")
+        return 1
+    results = []
+    for spec in args.shapes.split(","):
+        num_q, num_kv = (int(v) for v in spec.split("x"))
+        x = shape_inputs(num_q, num_kv)
+        for row in tune_indexer(x, args.reps) + tune_backward(x, args.reps) + tune_topk(x, args.reps):
+            row.update(num_q=num_q, num_kv=num_kv)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
