@@ -145,6 +145,20 @@ class LightningIndexer(nn.Module):
     # --8<-- [end:indexer_project]
 
 
+def _check_indexer_operands(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
+    """Check the indexer's ``q [T, H_I, D_I]``, ``k [S, D_I]``, ``weights [T, H_I]``; return ``(T, H_I)``."""
+    check_float("q", q)
+    check_float("k", k)
+    check_float("weights", weights)
+    check_rank("q", q, 3, "[T, H_I, D_I]")
+    check_rank("k", k, 2, "[S, D_I]")
+    check_rank("weights", weights, 2, "[T, H_I]")
+    T, H, D = q.shape
+    check_dim("k", k, 1, D, "q's head dim D_I")
+    check_dim("weights", weights, 0, T, "one row per query")
+    check_dim("weights", weights, 1, H, "one weight per indexer head")
+    return T, H
+
 # --8<-- [start:lightning_indexer]
 def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *,
                       starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
@@ -162,17 +176,8 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *
     Returns:
         ``scores [T, S]``, float32 (float64 for float64 inputs).
     """
-    check_float("q", q)
-    check_float("k", k)
-    check_float("weights", weights)
-    check_rank("q", q, 3, "[T, H_I, D_I]")
-    check_rank("k", k, 2, "[S, D_I]")
-    check_rank("weights", weights, 2, "[T, H_I]")
+    T, H = _check_indexer_operands(q, k, weights)
     check_same_device(q=q, k=k, weights=weights, starts=starts, ends=ends)
-    T, H, D = q.shape
-    check_dim("k", k, 1, D, "q's head dim D_I")
-    check_dim("weights", weights, 0, T, "one row per query")
-    check_dim("weights", weights, 1, H, "one weight per indexer head")
     windows = check_windows(starts, ends, T, k.shape[0])
     starts, ends = windows if windows is not None else (None, None)
     acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, weights.dtype) else torch.float32
@@ -218,17 +223,8 @@ def index_scores_at(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ind
     """
     from .sparse_attention import check_indices
 
-    check_float("q", q)
-    check_float("k", k)
-    check_float("weights", weights)
-    check_rank("q", q, 3, "[T, H_I, D_I]")
-    check_rank("k", k, 2, "[S, D_I]")
-    check_rank("weights", weights, 2, "[T, H_I]")
+    T, H = _check_indexer_operands(q, k, weights)
     check_same_device(q=q, k=k, weights=weights, indices=indices)
-    T, H, D = q.shape
-    check_dim("k", k, 1, D, "q's head dim D_I")
-    check_dim("weights", weights, 0, T, "one row per query")
-    check_dim("weights", weights, 1, H, "one weight per indexer head")
     indices = check_indices(indices, T, k.shape[0])
     acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, weights.dtype) else torch.float32
 
