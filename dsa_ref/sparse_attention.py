@@ -111,6 +111,26 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_s
 # --8<-- [end:sparse_mla]
 
 
+def check_head_sum_inputs(q, kv, indices, lse, sm_scale):
+    """Validate `attention_head_sum`'s inputs; returns ``(kv [S, D], indices [T, K], sm_scale)``."""
+    check_float("q", q)
+    check_float("kv", kv)
+    check_float("lse", lse)
+    check_rank("q", q, 3, "[T, H, D]")
+    if kv.dim() == 3:
+        check_dim("kv", kv, 1, 1, "one latent row per key ([S, 1, D] is accepted)")
+        kv = kv[:, 0]
+    check_rank("kv", kv, 2, "[S, D]")
+    check_rank("lse", lse, 2, "[T, H]")
+    check_same_device(q=q, kv=kv, indices=indices, lse=lse)
+    T, H, D = q.shape
+    check_dim("kv", kv, 1, D, "q's width D")
+    check_dim("lse", lse, 0, T, "one row per query")
+    check_dim("lse", lse, 1, H, "one LSE per head")
+    indices = check_indices(indices, T, kv.shape[0])
+    return kv, indices, check_scale("sm_scale", sm_scale)
+
+
 # --8<-- [start:attention_head_sum]
 def attention_head_sum(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, *,
                        sm_scale: float, chunk_size: int | None = None) -> torch.Tensor:
@@ -132,22 +152,8 @@ def attention_head_sum(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     Returns:
         ``[T, K]`` float32 (float64 for float64 inputs): 0 at ``-1`` slots and in empty rows.
     """
-    check_float("q", q)
-    check_float("kv", kv)
-    check_float("lse", lse)
-    check_rank("q", q, 3, "[T, H, D]")
-    if kv.dim() == 3:
-        check_dim("kv", kv, 1, 1, "one latent row per key ([S, 1, D] is accepted)")
-        kv = kv[:, 0]
-    check_rank("kv", kv, 2, "[S, D]")
-    check_rank("lse", lse, 2, "[T, H]")
-    check_same_device(q=q, kv=kv, indices=indices, lse=lse)
+    kv, indices, sm_scale = check_head_sum_inputs(q, kv, indices, lse, sm_scale)
     T, H, D = q.shape
-    check_dim("kv", kv, 1, D, "q's width D")
-    check_dim("lse", lse, 0, T, "one row per query")
-    check_dim("lse", lse, 1, H, "one LSE per head")
-    indices = check_indices(indices, T, kv.shape[0])
-    sm_scale = check_scale("sm_scale", sm_scale)
     acc = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
 
     def mass(q_c, idx_c, lse_c, kv_):

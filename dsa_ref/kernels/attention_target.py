@@ -54,8 +54,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .._checks import check_dim, check_float, check_rank, check_same_device, check_scale, check_tensor
-from ..sparse_attention import check_indices
+from ..sparse_attention import check_head_sum_inputs
 from ._target import compile_target
 from .autograd import _block_counts
 from .sparse_mla_fwd import LOG2E, head_blocking
@@ -151,27 +150,6 @@ def attention_head_sum_supported(q, kv, indices, lse) -> str | None:
 # --8<-- [end:attention_head_sum_supported]
 
 
-def _check_inputs(q, kv, indices, lse, sm_scale):
-    """Validate shapes and dtypes; returns ``(kv [S, D], indices [T, K], sm_scale)``."""
-    check_float("q", q)
-    check_rank("q", q, 3, "[T, H, D]")
-    num_q, H, D = q.shape
-    check_float("kv", kv)
-    check_rank("kv", kv, (2, 3), "[S, D] or [S, 1, D]")
-    if kv.dim() == 3:
-        check_dim("kv", kv, 1, 1, "one latent row per key; [S, 1, D] is accepted")
-        kv = kv[:, 0]
-    check_dim("kv", kv, 1, D, "q's head dim")
-    check_tensor("indices", indices)
-    indices = check_indices(indices, num_q, kv.shape[0])
-    check_float("lse", lse)
-    check_rank("lse", lse, 2, "[T, H]")
-    check_dim("lse", lse, 0, num_q, "q's queries")
-    check_dim("lse", lse, 1, H, "q's heads")
-    check_same_device(q=q, kv=kv, indices=indices, lse=lse)
-    return kv, indices, check_scale("sm_scale", sm_scale)
-
-
 # --8<-- [start:attention_head_sum_tilelang]
 def attention_head_sum_tilelang(q, kv, indices, lse, *, sm_scale) -> torch.Tensor:
     """The main attention's probabilities at the selected slots, summed over heads, on TileLang.
@@ -192,7 +170,7 @@ def attention_head_sum_tilelang(q, kv, indices, lse, *, sm_scale) -> torch.Tenso
     Returns:
         ``[T, K]`` float32.
     """
-    kv, indices, sm_scale = _check_inputs(q, kv, indices, lse, sm_scale)
+    kv, indices, sm_scale = check_head_sum_inputs(q, kv, indices, lse, sm_scale)  # as the reference
     reason = attention_head_sum_supported(q, kv, indices, lse)
     if reason is not None:
         raise ValueError(f"attention_head_sum_tilelang: {reason}")

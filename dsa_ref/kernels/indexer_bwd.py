@@ -56,7 +56,8 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .._checks import check_dim, check_rank, check_same_device
+from .._checks import check_same_device
+from ..indexer import _check_indexer_operands
 from ..sparse_attention import check_indices
 from ._target import compile_target
 
@@ -320,12 +321,7 @@ def index_scores_at_tilelang(q, k, weights, indices, *, relu=True):
     reason = index_scores_at_supported(q, k, weights, indices)
     if reason is not None:
         raise ValueError(f"index_scores_at_tilelang: {reason}")
-    check_rank("k", k, 2, "[S, D_I]")
-    check_rank("weights", weights, 2, "[T, H_I]")
-    T, H, D = q.shape
-    check_dim("k", k, 1, D, "q's head dim D_I")
-    check_dim("weights", weights, 0, T, "one row per query of q")
-    check_dim("weights", weights, 1, H, "one weight per indexer head of q")
+    T, _ = _check_indexer_operands(q, k, weights)  # the reference's checks
     check_same_device(q=q, k=k, weights=weights, indices=indices)
     indices = check_indices(indices, T, k.shape[0])
     if not isinstance(relu, bool):
