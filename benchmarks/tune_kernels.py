@@ -19,15 +19,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import H_I, D_I, cuda_time_ms, shape_inputs  # noqa: E402
-from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE  # noqa: E402
+from dsa_ref.kernels.shapes import BACKWARD_SCHEDULES, DIM, DIM_V, SM_SCALE  # noqa: E402
+
 
 H = 128
 # keyword arguments of every variant, on top of the kernel's defaults; the first one of each kernel
 # (the defaults) is the one the others are checked against
 VARIANTS = {
-    "indexer": [dict(), dict(block_q=8, block_n=128), dict(block_q=4, block_n=128), dict(block_n=128),
-                dict(pingpong=False), dict(block_n=128, pingpong=False), dict(block_q=4)],
-    "backward": [dict(), dict(policy="FullCol"), dict(bounds_checks=True), dict(fast_math=False)],
+    "indexer": [dict(), dict(auto_ws=True), dict(auto_ws=True, pingpong=False), dict(auto_ws=True, block_q=4),
+                dict(auto_ws=True, block_q=4, pingpong=False), dict(auto_ws=True, block_n=128),
+                dict(auto_ws=True, block_q=8)],
+    # the default first, then every tested schedule (shapes.BACKWARD_SCHEDULES)
+    "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],
 }
 
@@ -42,6 +45,14 @@ def variant_builds():
     for kw in VARIANTS["topk"]:
         jobs.append(("topk", (), kw))
     return jobs
+
+
+class Rows(list):
+    """The result rows; each one is printed as it comes, so a crash keeps what was measured."""
+
+    def append(self, row):
+        super().append(row)
+        print(json.dumps(row), flush=True)
 
 
 def _build_or_none(builder, args, kw, rows, name):
@@ -60,16 +71,16 @@ def tune_indexer(x, reps):
     st, en = x["starts"].to(torch.int32).contiguous(), x["ends"].to(torch.int32).contiguous()
     pairs = int((en - st).sum())
     flop = 2 * pairs * H_I * D_I
-    rows, first = [], None
+    rows, first = Rows(), None
     for kw in VARIANTS["indexer"]:
         kernel = _build_or_none(indexer_kernel, (H_I, D_I, True), kw, rows, "indexer")
         if kernel is None:
             continue
-        scores = torch.full((q.shape[0], k.shape[0]), float("-inf"), device="cuda")
+        scores = torch.full((q.shape[0], k.shape[0]), float("nan"), device="cuda")  # all overwritten
         ms = cuda_time_ms(lambda: kernel(q, k, w, st, en, scores), reps=reps)
         if first is None:
             first = scores.clone()
-        same = bool(torch.equal(torch.isinf(scores), torch.isinf(first))) and float(
+        same = not bool(torch.isnan(scores).any()) and bool(torch.equal(torch.isinf(scores), torch.isinf(first))) and float(
             (scores - first).nan_to_num().abs().max()) < 1e-3 * float(first[torch.isfinite(first)].abs().max())
         rows.append({"kernel": "indexer", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
     return rows
@@ -88,7 +99,7 @@ def tune_backward(x, reps):
     lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
     counts = _block_counts(idx, bwd.BLOCK_S)
     flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (3 * DIM + 2 * DIM_V)
-    rows, first = [], None
+    rows, first = Rows(), None
     for kw in VARIANTS["backward"]:
         kernel = _build_or_none(bwd.backward_kernel, (H, DIM, DIM_V, SM_SCALE), kw, rows, "backward")
         if kernel is None:
@@ -115,7 +126,7 @@ def tune_topk(x, reps):
     from dsa_ref.kernels.shapes import BENCH_TOPK
 
     scores = lightning_indexer_tilelang(x["iq"], x["ik"], x["iw"], starts=x["starts"], ends=x["ends"])
-    rows, first = [], None
+    rows, first = Rows(), None
     for kw in VARIANTS["topk"]:
         kernel = _build_or_none(topk_kernel, (), kw, rows, "topk")
         if kernel is None:
@@ -133,6 +144,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="4096x8192,4096x4096")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="tune_kernels.json")
+    parser.add_argument("--kernels", default="indexer,backward,topk", help="which of VARIANTS to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tune_kernels needs a CUDA GPU")
@@ -141,10 +153,10 @@ def main() -> int:
     for spec in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in spec.split("x"))
         x = shape_inputs(num_q, num_kv)
-        for row in tune_indexer(x, args.reps) + tune_backward(x, args.reps) + tune_topk(x, args.reps):
-            row.update(num_q=num_q, num_kv=num_kv)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+        tuners = {"indexer": tune_indexer, "backward": tune_backward, "topk": tune_topk}
+        print(f"# {num_q} queries x {num_kv} keys", flush=True)
+        for name in args.kernels.split(","):
+            results += [dict(row, num_q=num_q, num_kv=num_kv) for row in tuners[name](x, args.reps)]
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": results}, f, indent=1)

@@ -25,10 +25,19 @@ def _inputs(T, S, H, seed):
     return q, k, w
 
 
-def _check(q, k, w, starts, ends):
+def _check(q, k, w, starts, ends, schedule=None):
     from dsa_ref.kernels.autograd import lightning_indexer_tilelang
+    from dsa_ref.kernels.indexer_fwd import indexer_kernel
 
-    got = lightning_indexer_tilelang(q, k, w, starts=starts, ends=ends)
+    if schedule is None:
+        got = lightning_indexer_tilelang(q, k, w, starts=starts, ends=ends)
+    else:  # the kernel itself, in one of its schedules; NaN marks any entry it fails to write
+        T, S = q.shape[0], k.shape[0]
+        st = torch.zeros(T, dtype=torch.int32, device="cuda") if starts is None else starts.int()
+        en = torch.full((T,), S, dtype=torch.int32, device="cuda") if ends is None else ends.int()
+        got = torch.full((T, S), float("nan"), device="cuda")
+        indexer_kernel(q.shape[1], q.shape[2], True, **schedule)(q, k, w.float(), st, en, got)
+        assert not torch.isnan(got).any(), "every entry is written"
     ref = lightning_indexer(q.double(), k.double(), w.double(), starts=starts, ends=ends)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf exactly outside the windows"
@@ -50,6 +59,17 @@ def test_indexer_packed_and_cp_windows():
     qi = cp_shard_index(torch.tensor([0, 256, 640]), 4, 2)  # a CP rank: its queries, all keys
     starts, ends = key_windows(torch.tensor([0, 256, 640]), qi)
     _check(q[: qi.numel()].contiguous(), k, w[: qi.numel()].contiguous(), starts.cuda(), ends.cuda())
+
+
+# the kernel's schedules (benchmarks/tune_kernels.py), against the reference; packed windows
+@pytest.mark.parametrize("schedule", [dict(auto_ws=True), dict(auto_ws=True, pingpong=False),
+                                      dict(auto_ws=True, block_q=4)], ids=str)
+def test_indexer_schedules(schedule):
+    cu = torch.tensor([0, 1, 100, 100, 333, 700])
+    q, k, w = _inputs(700, 700, 64, seed=3)
+    starts, ends = key_windows(cu)
+    _check(q, k, w, starts.cuda(), ends.cuda(), schedule)
+    _check(q[:301].contiguous(), k, w[:301].contiguous(), None, None, schedule)
 
 
 def test_indexer_backward_equals_reference():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dsa_ref import sparse_mla
-from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE, TEST_TOPK
+from dsa_ref.kernels.shapes import BACKWARD_SCHEDULES, DIM, DIM_V, SM_SCALE, TEST_TOPK
 from gpu_helpers import causal_packed_indices, max_abs, messy_indices, rel_l2, requires_kernels
 
 pytestmark = [requires_kernels, pytest.mark.gpu]
@@ -103,6 +103,43 @@ def test_backward_matches_reference(H):
     assert rel_l2(kvk.grad, kvr.grad) < REL_GRAD
     empty = (idx < 0).all(dim=1)
     assert (qk.grad[empty] == 0).all()
+
+
+def _schedule_id(knobs):
+    return "-".join(f"{n}={v}" for n, v in knobs.items())
+
+
+# every schedule of the backward kernel computes the same sums: each one against the float64
+# reference, with duplicates (several atomics / bulk reductions to one row in one step)
+@pytest.mark.parametrize("knobs", BACKWARD_SCHEDULES, ids=_schedule_id)
+def test_backward_kernel_schedules_match_reference(knobs):
+    from dsa_ref.kernels import sparse_mla_bwd as bwd
+    from dsa_ref.kernels.autograd import LOG2E, _block_counts, _pad_indices
+
+    T, S, H = 97, 260, 128
+    q, kv = _inputs(T, S, H, seed=31)
+    idx = messy_indices(T, S, TEST_TOPK, seed=4)
+    idx[:, 3:9] = 11  # one row selected six times by every query: inside one 16-row half
+    idx[5] = -1  # a row with no valid slot
+    g = torch.Generator(device="cpu").manual_seed(6)
+    d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
+
+    qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+    ref_out, ref_lse = sparse_mla(qr, kvr, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    (ref_out * d_out.double()).sum().backward()
+
+    # the kernel's inputs as SparseMLAFunction.backward prepares them, from the float64 forward
+    idx32 = _pad_indices(idx, 64)
+    delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
+    lse2 = torch.where(torch.isinf(ref_lse), torch.full_like(ref_lse, float("inf")), ref_lse * LOG2E)
+    dkv = torch.zeros(S, DIM, dtype=torch.float32, device="cuda")
+    kernel = bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE, **knobs)
+    dq = kernel(q, kv, d_out, idx32, _block_counts(idx32, bwd.BLOCK_S), lse2.float().contiguous(), delta, dkv)
+
+    assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    assert rel_l2(dq, qr.grad) < REL_GRAD
+    assert rel_l2(dkv, kvr.grad) < REL_GRAD
+    assert (dq[5] == 0).all()
 
 
 @pytest.mark.parametrize("H", [16, 32, 64, 128])

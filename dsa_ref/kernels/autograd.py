@@ -161,7 +161,7 @@ class LightningIndexerFunction(torch.autograd.Function):
             ends_i = torch.full((T,), S, dtype=torch.int32, device=q.device)
         else:
             starts_i, ends_i = starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
-        scores = torch.full((T, S), float("-inf"), dtype=torch.float32, device=q.device)
+        scores = torch.empty((T, S), dtype=torch.float32, device=q.device)  # the kernel writes every entry
         indexer_kernel(H, D, bool(relu))(q.contiguous(), k.contiguous(), weights.float().contiguous(), starts_i, ends_i, scores)
         ctx.save_for_backward(q, k, weights, starts_i, ends_i)
         ctx.has_windows = starts is not None

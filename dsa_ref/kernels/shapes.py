@@ -18,8 +18,27 @@ TEST_HEADS = (16, 32, 64, 128)
 INDEXER_HEADS = (16, 32, 64)
 
 
+def _schedule(dkv_layout="rows", tma_reduce=False, prefetch=False) -> dict:
+    return dict(dkv_layout=dkv_layout, tma_reduce=tma_reduce, prefetch=prefetch)
+
+
+# The schedules of `sparse_mla_bwd.backward_kernel` (its knobs) that are tested on the GPU against
+# the reference (tests/test_kernels_sparse_mla.py) and timed against each other
+# (benchmarks/tune_kernels.py), at H = 128. The first one is the plain schedule (warp MMAs for
+# dKV, 4-float atomics, synchronous gathers); the last one is the kernel's default.
+BACKWARD_SCHEDULES = [
+    _schedule(),
+    _schedule(dkv_layout="channels"),
+    _schedule(prefetch=True),
+    _schedule(tma_reduce=True),
+    _schedule(dkv_layout="channels", tma_reduce=True),
+    _schedule(tma_reduce=True, prefetch=True),
+    _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True),
+]
+
+
 def kernel_set():
-    """``(builder_name, args)`` pairs for every kernel the tests and benchmarks compile."""
+    """``(builder_name, args[, kwargs])`` for every kernel the tests and benchmarks compile."""
     jobs = []
     for h in TEST_HEADS:
         jobs.append(("simple", (h, DIM, DIM_V, SM_SCALE)))
@@ -27,6 +46,7 @@ def kernel_set():
         jobs.append(("delta", (h, DIM_V)))
         if h % 64 == 0:
             jobs.append(("warp_specialized", (h, DIM, DIM_V, SM_SCALE)))
+    jobs += [("backward", (128, DIM, DIM_V, SM_SCALE), kw) for kw in BACKWARD_SCHEDULES]
     for h in INDEXER_HEADS:
         jobs.append(("indexer", (h, INDEXER_DIM, True)))
         jobs.append(("scores_at", (h, INDEXER_DIM, True)))
