@@ -35,11 +35,17 @@ from dsa_ref.kernels.shapes import BENCH_TOPK, DIM, DIM_V, SM_SCALE  # noqa: E40
 H, H_I, D_I = 128, 64, 128
 
 
-def cuda_time_ms(fn, *, warmup=3, reps=20, before_each=None) -> float:
-    """Median wall time of ``fn()`` in ms, measured with CUDA events.
+def cuda_time_ms(fn, *, warmup=3, reps=20, before_each=None, queue_ahead=None) -> float:
+    """Median time of ``fn()`` in ms, measured with CUDA events.
 
     ``before_each`` runs untimed before every timed call (the CP benchmark puts a barrier there).
+    By default the events bracket one call on an idle GPU, so the time includes the host's Python
+    and launch overhead whenever the GPU has to wait for it. With ``queue_ahead`` (or
+    ``DSA_REF_BENCH_QUEUE_AHEAD=1``) the GPU first spins for about 5 ms (``torch.cuda._sleep``),
+    the host queues all of ``fn``'s work meanwhile, and the events measure the GPU's time alone.
     """
+    if queue_ahead is None:
+        queue_ahead = os.environ.get("DSA_REF_BENCH_QUEUE_AHEAD") == "1"
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -48,6 +54,8 @@ def cuda_time_ms(fn, *, warmup=3, reps=20, before_each=None) -> float:
         if before_each is not None:
             before_each()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queue_ahead:
+            torch.cuda._sleep(10_000_000)  # GPU clock cycles, about 5 ms
         start.record()
         fn()
         end.record()
@@ -199,6 +207,8 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "timing": ("GPU time, work queued ahead" if os.environ.get("DSA_REF_BENCH_QUEUE_AHEAD") == "1"
+                   else "one call on an idle GPU, host overhead included"),
     }
     try:
         import tilelang

@@ -26,9 +26,7 @@ H = 128
 # keyword arguments of every variant, on top of the kernel's defaults; the first one of each kernel
 # (the defaults) is the one the others are checked against
 VARIANTS = {
-    "indexer": [dict(), dict(auto_ws=True), dict(auto_ws=True, pingpong=False), dict(auto_ws=True, block_q=4),
-                dict(auto_ws=True, block_q=4, pingpong=False), dict(auto_ws=True, block_n=128),
-                dict(auto_ws=True, block_q=8)],
+    "indexer": [dict(), dict(pingpong=False), dict(block_q=4), dict(block_n=128)],
     # the default first, then every tested schedule (shapes.BACKWARD_SCHEDULES)
     "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],

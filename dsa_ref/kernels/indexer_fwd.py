@@ -19,6 +19,8 @@ import tilelang.language as T
 
 from ._target import compile_target
 
+_PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
 BLOCK_N = 64  # keys per tile
 BLOCK_Q = 2  # queries per block: small blocks, so that two fit on an SM (benchmarks/tune_kernels.py)
 
@@ -26,7 +28,7 @@ BLOCK_Q = 2  # queries per block: small blocks, so that two fit on an SM (benchm
 # --8<-- [start:indexer_kernel]
 @functools.lru_cache(maxsize=None)
 def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BLOCK_Q, pingpong: bool = True,
-                   block_n: int = BLOCK_N, auto_ws: bool = False):
+                   block_n: int = BLOCK_N):
     """Compile the indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
 
     Kernel arguments: ``Q [T, H_I, D_I]`` bf16, ``K [S, D_I]`` bf16, ``W [T, H_I]`` fp32,
@@ -38,8 +40,7 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BL
     weighting and head sum of query ``i`` run on the CUDA cores. ``block_q`` queries (even) share
     each key tile of ``block_n`` keys (loaded one tile ahead). These are tuning knobs
     (``benchmarks/tune_kernels.py``): more queries per block read the keys fewer times, fewer let
-    two blocks share an SM. ``auto_ws=True`` turns on TileLang's automatic warp specialisation:
-    a producer warpgroup loads the key tiles by TMA for the computing one.
+    two blocks share an SM.
     """
     if heads not in (16, 32, 64):
         raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
@@ -136,6 +137,5 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BL
                 T.copy(K[s0:s0 + block_n, :], k_s)  # rows past the end are never stored below
                 tile_scores(k_s, q_s, w_s, logits, logits_b, row, t0, s0, Starts, Ends, Scores)
 
-    passes = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: not auto_ws}
-    return tilelang.compile(main, pass_configs=passes, target=compile_target())
+    return tilelang.compile(main, pass_configs=_PASS, target=compile_target())
 # --8<-- [end:indexer_kernel]

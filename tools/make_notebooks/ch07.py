@@ -380,8 +380,10 @@ CELLS = [
 
     $dQ$ belongs to the block's own query and stays in registers. $dKV$ does not: many queries select
     the same key, and their blocks run at the same time on different SMs. The kernel therefore
-    **adds** its `[32, 576]` tile into a global fp32 buffer with atomic adds, four floats at a time,
-    skipping `-1` slots. Two consequences:
+    **adds** its `[32, 576]` tile into a global fp32 buffer with atomic additions, skipping `-1`
+    slots: the tile goes through shared memory 16 rows at a time, and one thread per row hands the
+    whole 576-float row to the copy engine (`cp.reduce.async.bulk ... .add.f32`, an element-wise
+    atomic addition) while the threads go on. Two consequences:
 
     * the buffer must start at **zero** -- the atomics only ever add, so whatever the memory held
       before (a previous step's gradient, or garbage from `torch.empty`) ends up in the gradient. The
@@ -609,12 +611,13 @@ CELLS = [
     '''),
     md(r'''
     At 4096 queries over 8192 keys, where every slot is valid, the warp-specialised forward runs
-    at about 480-520 TFLOP/s from run to run (482 in this one), 61-65% of the measured
+    at about 480-520 TFLOP/s from run to run (483 in this one), 61-65% of the measured
     matrix-product peak, and 1.4x the simple schedule. At the causal shapes with short windows
-    the rate reads higher still (609 at 4096 x 4096): a row stops after its last valid slot, but
-    the FLOP count keeps counting the `-1` slots it skipped. The backward reaches 179 TFLOP/s
-    there, short of its target of 200; the indexer takes 2.2 times its compute roofline (1.97 at
-    16K x 16K).
+    the rate reads higher (581 at 4096 x 4096): a row stops after its last valid slot, but the
+    FLOP count keeps counting the `-1` slots it skipped. The backward reaches 190 TFLOP/s there
+    per call (198 for the kernel alone), short of its target of 200; the indexer call takes 2.3
+    times its compute roofline (the kernel alone 2.06, and 2.00 at 16K x 16K). The times are of
+    one call on an idle GPU, host overhead included.
 
     For a whole layer step both stages run on the kernels: the sparse stage 37x faster than the
     reference at 4K tokens and 25x at 8K, the dense warm-up 11x and 13x. The warm-up takes the same
