@@ -62,7 +62,7 @@ def test_indexer_packed_and_cp_windows():
 
 
 # the kernel's schedules (benchmarks/tune_kernels.py), against the reference; packed windows
-@pytest.mark.parametrize("schedule", [dict(pingpong=False), dict(block_q=4)], ids=str)
+@pytest.mark.parametrize("schedule", [dict(pingpong=False)], ids=str)
 def test_indexer_schedules(schedule):
     cu = torch.tensor([0, 1, 100, 100, 333, 700])
     q, k, w = _inputs(700, 700, 64, seed=3)
