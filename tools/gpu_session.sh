@@ -12,6 +12,9 @@
 #   layers     the DSAttention step benchmark at 4096 and 8192 tokens
 # or one of the shorthands check = tests,tune, final = tests,refmem,cp,layers and
 # all = tests,tune,bench (the default).
+# Environment: TEST_TIMEOUT, TUNE_TIMEOUT (seconds); TUNE_KERNELS (default indexer,topk) and
+# TUNE_BACKWARD=0 narrow the tuning; DSA_REF_BENCH_QUEUE_AHEAD=1 makes bench_kernels.py measure GPU
+# time instead of one call on an idle GPU.
 set -uo pipefail
 what=${1:-all}; shift || true
 case "$what" in
