@@ -35,6 +35,29 @@ from dsa_ref.kernels.shapes import BENCH_TOPK, DIM, DIM_V, SM_SCALE  # noqa: E40
 H, H_I, D_I = 128, 64, 128
 
 
+def _queue_ahead_from_env() -> bool:
+    return os.environ.get("DSA_REF_BENCH_QUEUE_AHEAD") == "1"
+
+
+def run_meta() -> dict:
+    """Date, GPU, versions and timing mode of this run, for the ``meta`` of a results JSON."""
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "timing": ("GPU time, work queued ahead" if _queue_ahead_from_env()
+                   else "one call on an idle GPU, host overhead included"),
+    }
+    try:
+        import tilelang
+
+        meta["tilelang"] = tilelang.__version__
+    except Exception:  # pragma: no cover
+        meta["tilelang"] = "unavailable"
+    return meta
+
+
 def cuda_time_ms(fn, *, warmup=3, reps=20, before_each=None, queue_ahead=None) -> float:
     """Median time of ``fn()`` in ms, measured with CUDA events.
 
@@ -45,7 +68,7 @@ def cuda_time_ms(fn, *, warmup=3, reps=20, before_each=None, queue_ahead=None) -
     the host queues all of ``fn``'s work meanwhile, and the events measure the GPU's time alone.
     """
     if queue_ahead is None:
-        queue_ahead = os.environ.get("DSA_REF_BENCH_QUEUE_AHEAD") == "1"
+        queue_ahead = _queue_ahead_from_env()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -202,20 +225,7 @@ def main() -> int:
         return 1
     reps, ref_reps = (10, 2) if args.quick else (30, 3)
     rows = []
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "timing": ("GPU time, work queued ahead" if os.environ.get("DSA_REF_BENCH_QUEUE_AHEAD") == "1"
-                   else "one call on an idle GPU, host overhead included"),
-    }
-    try:
-        import tilelang
-
-        meta["tilelang"] = tilelang.__version__
-    except Exception:  # pragma: no cover
-        meta["tilelang"] = "unavailable"
+    meta = run_meta()
     for spec in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in spec.split("x"))
         row = bench_shape(num_q, num_kv, reps=reps, ref_reps=ref_reps)

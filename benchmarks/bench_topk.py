@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kernels import cuda_time_ms  # noqa: E402
+from bench_kernels import cuda_time_ms, run_meta  # noqa: E402
 
 from dsa_ref import key_windows, topk_indices  # noqa: E402
 
@@ -91,13 +90,8 @@ def main() -> int:
         print("bench_topk needs a CUDA GPU; nothing to do")
         return 1
     shapes = [tuple(int(v) for v in spec.split("x")) for spec in args.shapes.split(",")]
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import tilelang
-
-        meta["tilelang"] = tilelang.__version__
-    except Exception:  # pragma: no cover
+    meta = run_meta()
+    if meta["tilelang"] == "unavailable":
         print("bench_topk needs tilelang; nothing to do")
         return 1
     rows = []

@@ -12,13 +12,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_kernels import H_I, D_I, cuda_time_ms, shape_inputs  # noqa: E402
+from bench_kernels import H_I, D_I, cuda_time_ms, run_meta, shape_inputs  # noqa: E402
 from dsa_ref.kernels.shapes import BACKWARD_SCHEDULES, DIM, DIM_V, SM_SCALE  # noqa: E402
 
 
@@ -155,7 +154,7 @@ def main() -> int:
         print(f"# {num_q} queries x {num_kv} keys", flush=True)
         for name in args.kernels.split(","):
             results += [dict(row, num_q=num_q, num_kv=num_kv) for row in tuners[name](x, args.reps)]
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    meta = run_meta()
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": results}, f, indent=1)
     return 0

@@ -32,6 +32,30 @@ from ._checks import (
     check_windows,
 )
 
+def check_latent_operands(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The input checks every absorbed-MLA attention shares; returns ``kv`` as ``[S, D]``.
+
+    ``q`` must be a float ``[T, H, D]`` and ``kv`` a float ``[S, D]`` (``[S, 1, D]``, one latent KV
+    head, is accepted) of the same width ``D``.
+    """
+    check_float("q", q)
+    check_float("kv", kv)
+    check_rank("q", q, 3, "[T, H, D]")
+    if kv.dim() == 3:
+        check_dim("kv", kv, 1, 1, "one latent KV head; [S, 1, D] is accepted")
+        kv = kv[:, 0]  # [S, D]
+    check_rank("kv", kv, 2, "[S, D] or [S, 1, D]")
+    check_dim("kv", kv, 1, q.shape[-1], "q's head dim")
+    return kv
+
+
+def check_value_width(d_v, kv: torch.Tensor) -> int:
+    """``d_v``, the value width taken from the front of each latent row: an int in ``[1, D]``."""
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= kv.shape[-1]:
+        raise ValueError(f"d_v must be an int in [1, D={kv.shape[-1]}], got {d_v!r}")
+    return d_v
+
+
 #: Elements of the largest intermediate (e.g. a ``[chunk, H, S]`` score block) a chunk may hold.
 DEFAULT_CHUNK_ELEMENTS = 2**26
 
@@ -176,14 +200,7 @@ def dense_mla_attention(q: torch.Tensor, kv: torch.Tensor, *, sm_scale: float, d
     Returns:
         ``(out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32, float64 for float64 inputs``)``.
     """
-    check_float("kv", kv)
-    if kv.dim() == 3:
-        check_dim("kv", kv, 1, 1, "one latent KV head; [S, 1, D] is accepted")
-        kv = kv[:, 0]  # [S, D]
-    check_rank("kv", kv, 2, "[S, D] or [S, 1, D]")
-    check_rank("q", q, 3, "[T, H, D]")
-    check_dim("kv", kv, -1, q.shape[-1], "q's head dim")
-    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= kv.shape[-1]:
-        raise ValueError(f"d_v must be an int in [1, D={kv.shape[-1]}], got {d_v!r}")
+    kv = check_latent_operands(q, kv)  # [S, D]
+    check_value_width(d_v, kv)
     return windowed_attention(q, kv, kv[:, :d_v], sm_scale=sm_scale, starts=starts, ends=ends,
                               chunk_size=chunk_size)

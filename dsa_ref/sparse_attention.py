@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_same_device, check_scale
-from .attention import auto_chunk_size, masked_softmax_with_lse, run_chunked
+from .attention import (auto_chunk_size, check_latent_operands, check_value_width, masked_softmax_with_lse,
+                        run_chunked)
 
 __all__ = ["sparse_mla", "sparse_attention", "attention_head_sum", "check_indices", "first_occurrence"]
 
@@ -79,18 +80,10 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_s
         ``(out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` natural log, float32 or float64``)``.
         Differentiable in ``q`` and ``kv``.
     """
-    check_float("q", q)
-    check_float("kv", kv)
-    check_rank("q", q, 3, "[T, H, D]")
-    if kv.dim() == 3:
-        check_dim("kv", kv, 1, 1, "one latent KV head; [S, 1, D] is accepted")
-        kv = kv[:, 0]  # [S, D]
-    check_rank("kv", kv, 2, "[S, D] or [S, 1, D]")
-    check_dim("kv", kv, 1, q.shape[-1], "q's head dim")
+    kv = check_latent_operands(q, kv)  # [S, D]
     check_int("indices", indices)
     check_same_device(q=q, kv=kv, indices=indices)
-    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= kv.shape[-1]:
-        raise ValueError(f"d_v must be an int in [1, D={kv.shape[-1]}], got {d_v!r}")
+    check_value_width(d_v, kv)
     sm_scale = check_scale("sm_scale", sm_scale)
     indices = check_indices(indices, q.shape[0], kv.shape[0])
     T, H, D = q.shape
@@ -113,18 +106,11 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_s
 
 def check_head_sum_inputs(q, kv, indices, lse, sm_scale):
     """Validate `attention_head_sum`'s inputs; returns ``(kv [S, D], indices [T, K], sm_scale)``."""
-    check_float("q", q)
-    check_float("kv", kv)
+    kv = check_latent_operands(q, kv)  # [S, D]
     check_float("lse", lse)
-    check_rank("q", q, 3, "[T, H, D]")
-    if kv.dim() == 3:
-        check_dim("kv", kv, 1, 1, "one latent row per key ([S, 1, D] is accepted)")
-        kv = kv[:, 0]
-    check_rank("kv", kv, 2, "[S, D]")
     check_rank("lse", lse, 2, "[T, H]")
     check_same_device(q=q, kv=kv, indices=indices, lse=lse)
     T, H, D = q.shape
-    check_dim("kv", kv, 1, D, "q's width D")
     check_dim("lse", lse, 0, T, "one row per query")
     check_dim("lse", lse, 1, H, "one LSE per head")
     indices = check_indices(indices, T, kv.shape[0])

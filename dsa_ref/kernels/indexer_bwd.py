@@ -60,6 +60,7 @@ from .._checks import check_same_device
 from ..indexer import _check_indexer_operands
 from ..sparse_attention import check_indices
 from ._target import compile_target
+from .autograd import _block_counts
 
 BLOCK = 64  # selected slots per step
 
@@ -249,14 +250,6 @@ def index_scores_at_supported(q, k, weights, indices) -> str | None:
 # --8<-- [end:index_scores_at_supported]
 
 
-def _num_blocks(idx: torch.Tensor) -> torch.Tensor:
-    """int32 ``[T]``: how many ``BLOCK``-slot steps of each row reach its last valid slot."""
-    K = idx.shape[1]
-    slot_end = torch.arange(1, K + 1, dtype=torch.int32, device=idx.device)  # [K]
-    last = torch.where(idx >= 0, slot_end, torch.zeros_like(slot_end)).amax(dim=1)  # [T] (0 = no valid slot)
-    return ((last + BLOCK - 1) // BLOCK).to(torch.int32).contiguous()
-
-
 # --8<-- [start:selected_index_scores]
 class SelectedIndexScores(torch.autograd.Function):
     """``scores [T, K] = index scores of q, k, weights at indices`` on TileLang, with a fused backward.
@@ -273,7 +266,7 @@ class SelectedIndexScores(torch.autograd.Function):
         q, k = q.contiguous(), k.contiguous()
         w32 = weights.to(torch.float32).contiguous()  # [T, H_I]
         idx = indices.to(torch.int32).contiguous()  # [T, K]
-        n_blocks = _num_blocks(idx)  # [T]
+        n_blocks = _block_counts(idx, BLOCK)  # [T]: BLOCK-slot steps up to the last valid slot
         if T == 0 or S == 0:  # nothing to launch: every slot is -1 (check_indices) or there is no row
             scores = torch.full(idx.shape, float("-inf"), dtype=torch.float32, device=q.device)
         else:
