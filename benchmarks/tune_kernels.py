@@ -85,7 +85,7 @@ def tune_indexer(x, reps):
 
 def tune_backward(x, reps):
     from dsa_ref.kernels import sparse_mla_bwd as bwd
-    from dsa_ref.kernels.autograd import LOG2E, _block_counts, _pad_indices, sparse_mla_tilelang
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices, sparse_mla_tilelang
 
     q, kv = x["q"], x["kv"]
     idx = _pad_indices(x["idx"], 128)
@@ -93,7 +93,7 @@ def tune_backward(x, reps):
         out, lse = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V)
     d_out = torch.randn_like(out)
     delta = (out.float() * d_out.float()).sum(-1).contiguous()
-    lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+    lse2 = _base2_lse(lse)
     counts = _block_counts(idx, bwd.BLOCK_S)
     flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (3 * DIM + 2 * DIM_V)
     rows, first = Rows(), None

@@ -114,7 +114,7 @@ def _schedule_id(knobs):
 @pytest.mark.parametrize("knobs", BACKWARD_SCHEDULES, ids=_schedule_id)
 def test_backward_kernel_schedules_match_reference(knobs):
     from dsa_ref.kernels import sparse_mla_bwd as bwd
-    from dsa_ref.kernels.autograd import LOG2E, _block_counts, _pad_indices
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices
 
     T, S, H = 97, 260, 128
     q, kv = _inputs(T, S, H, seed=31)
@@ -131,7 +131,7 @@ def test_backward_kernel_schedules_match_reference(knobs):
     # the kernel's inputs as SparseMLAFunction.backward prepares them, from the float64 forward
     idx32 = _pad_indices(idx, 64)
     delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
-    lse2 = torch.where(torch.isinf(ref_lse), torch.full_like(ref_lse, float("inf")), ref_lse * LOG2E)
+    lse2 = _base2_lse(ref_lse)  # float64 here: rounded to fp32 at the launch below
     dkv = torch.zeros(S, DIM, dtype=torch.float32, device="cuda")
     kernel = bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE, **knobs)
     dq = kernel(q, kv, d_out, idx32, _block_counts(idx32, bwd.BLOCK_S), lse2.float().contiguous(), delta, dkv)

@@ -39,6 +39,12 @@ def _block_counts(indices: torch.Tensor, block: int) -> torch.Tensor:
 # --8<-- [end:block_counts]
 
 
+def _base2_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The LSE as the backward kernel takes it: base 2, ``+inf`` for empty rows (``-inf`` LSE), so
+    that every probability the kernel recomputes for such a row is ``exp2(s - inf) = 0``."""
+    return torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+
+
 # ----------------------------------------------------------------------------- sparse MLA
 
 
@@ -95,8 +101,7 @@ class SparseMLAFunction(torch.autograd.Function):
         if d_lse is not None:
             # d lse / d s_j = p_j, so a gradient on lse folds into Delta: dS = P * (dP - (Delta - d_lse))
             delta = delta - d_lse.float()
-        # base-2 LSE for the kernel; +inf for empty rows makes every recomputed P of the row 0
-        lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+        lse2 = _base2_lse(lse)  # [T, H]
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         # the forward padded the slots to a multiple of 64, hence of the backward's 32-row blocks
         kernel = bwd.backward_kernel(H, D, ctx.d_v, ctx.sm_scale)
