@@ -18,15 +18,17 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import H_I, D_I, cuda_time_ms, run_meta, shape_inputs  # noqa: E402
-from dsa_ref.kernels.shapes import BACKWARD_SCHEDULES, DIM, DIM_V, SM_SCALE  # noqa: E402
+from dsa_ref.kernels.shapes import (  # noqa: E402
+    BACKWARD_SCHEDULES, DIM, DIM_V, INDEXER_SCHEDULES, SM_SCALE)
 
 
 H = 128
 # keyword arguments of every variant, on top of the kernel's defaults; the first one of each kernel
 # (the defaults) is the one the others are checked against
 VARIANTS = {
-    "indexer": [dict(), dict(pingpong=False), dict(block_q=4), dict(block_n=128)],
-    # the default first, then every tested schedule (shapes.BACKWARD_SCHEDULES)
+    # the default first, then every tested schedule (shapes.*_SCHEDULES)
+    "indexer": [dict()] + INDEXER_SCHEDULES,
+    "forward": [dict()],  # the warp-specialised kernel alone (its losing knobs are gone)
     "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],
 }
@@ -37,6 +39,8 @@ def variant_builds():
     jobs = []
     for kw in VARIANTS["indexer"]:
         jobs.append(("indexer", (H_I, D_I, True), kw))
+    for kw in VARIANTS["forward"]:
+        jobs.append(("warp_specialized", (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["backward"]:
         jobs.append(("backward", (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["topk"]:
@@ -80,6 +84,28 @@ def tune_indexer(x, reps):
         same = not bool(torch.isnan(scores).any()) and bool(torch.equal(torch.isinf(scores), torch.isinf(first))) and float(
             (scores - first).nan_to_num().abs().max()) < 1e-3 * float(first[torch.isfinite(first)].abs().max())
         rows.append({"kernel": "indexer", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
+    return rows
+
+
+def tune_forward(x, reps):
+    from dsa_ref.kernels import sparse_mla_fwd as fwd
+    from dsa_ref.kernels.autograd import _block_counts, _pad_indices
+
+    q, kv = x["q"], x["kv"]
+    idx = _pad_indices(x["idx"], 2 * fwd.BLOCK_I)
+    counts = _block_counts(idx, 2 * fwd.BLOCK_I)  # pairs of 64-slot blocks
+    flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (DIM + DIM_V)
+    rows, first = Rows(), None
+    for kw in VARIANTS["forward"]:
+        kernel = _build_or_none(fwd.warp_specialized_kernel, (H, DIM, DIM_V, SM_SCALE), kw, rows, "forward")
+        if kernel is None:
+            continue
+        ms = cuda_time_ms(lambda: kernel(q, kv, idx, counts), reps=reps)
+        out, lse = kernel(q, kv, idx, counts)
+        if first is None:
+            first = (out.float(), lse)
+        same = all(float((a - b).norm() / b.norm()) < 1e-2 for a, b in zip((out.float(), lse), first))
+        rows.append({"kernel": "forward", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
     return rows
 
 
@@ -141,7 +167,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="4096x8192,4096x4096")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="tune_kernels.json")
-    parser.add_argument("--kernels", default="indexer,backward,topk", help="which of VARIANTS to time")
+    parser.add_argument("--kernels", default="indexer,forward,backward,topk", help="which of VARIANTS to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tune_kernels needs a CUDA GPU")
@@ -150,7 +176,8 @@ def main() -> int:
     for spec in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in spec.split("x"))
         x = shape_inputs(num_q, num_kv)
-        tuners = {"indexer": tune_indexer, "backward": tune_backward, "topk": tune_topk}
+        tuners = {"indexer": tune_indexer, "forward": tune_forward, "backward": tune_backward,
+                  "topk": tune_topk}
         print(f"# {num_q} queries x {num_kv} keys", flush=True)
         for name in args.kernels.split(","):
             results += [dict(row, num_q=num_q, num_kv=num_kv) for row in tuners[name](x, args.reps)]

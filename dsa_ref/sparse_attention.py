@@ -45,7 +45,7 @@ def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: 
     if indices.shape[1] < 1:
         raise ValueError(f"{name} must have at least one slot per row, got shape {tuple(indices.shape)}")
     if indices.numel():
-        lo, hi = int(indices.min()), int(indices.max())
+        lo, hi = torch.stack(torch.aminmax(indices)).tolist()  # one pass, one device sync
         if lo < -1 or hi >= num_keys:
             raise ValueError(
                 f"{name} values must be -1 (unused slot) or in [0, num_keys={num_keys}), got range [{lo}, {hi}]"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsa_ref import cp_shard_index, key_windows, lightning_indexer
+from dsa_ref.kernels.shapes import INDEXER_SCHEDULES
 from gpu_helpers import max_abs, requires_kernels
 
 pytestmark = [requires_kernels, pytest.mark.gpu]
@@ -62,7 +63,7 @@ def test_indexer_packed_and_cp_windows():
 
 
 # the kernel's schedules (benchmarks/tune_kernels.py), against the reference; packed windows
-@pytest.mark.parametrize("schedule", [dict(pingpong=False)], ids=str)
+@pytest.mark.parametrize("schedule", INDEXER_SCHEDULES, ids=str)
 def test_indexer_schedules(schedule):
     cu = torch.tensor([0, 1, 100, 100, 333, 700])
     q, k, w = _inputs(700, 700, 64, seed=3)

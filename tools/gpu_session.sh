@@ -6,6 +6,8 @@
 #   tests      the GPU tests (tests/test_kernels_*.py and the slot path)
 #   tune       the kernel variants of benchmarks/tune_kernels.py, timed against each other
 #   bench      benchmarks/bench_kernels.py, with the extra arguments
+#   bench_gpu  the same in GPU time (DSA_REF_BENCH_QUEUE_AHEAD=1), to bench_kernels_gpu_time.json
+#   verify     `dsa-ref verify --gpu --json` (every identity, plus the kernels)
 #   notebooks  every notebook's code run as a script on the GPU (their GPU branches)
 #   refmem     the reference layer's memory at 32K tokens
 #   cp         context parallelism on NCCL (one rank), TileLang and reference
@@ -45,6 +47,13 @@ if has tune; then
 fi
 if has bench; then
   python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+if has bench_gpu; then
+  DSA_REF_BENCH_QUEUE_AHEAD=1 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels_gpu_time.json" "$@" 2>&1 \
+    | tee "$OUT/bench_gpu_time.log"
+fi
+if has verify; then
+  timeout 200 python3 -m dsa_ref verify --gpu --json > "$OUT/verify_gpu.json" 2> "$OUT/verify_gpu.err"; echo "verify rc $?"
 fi
 if has notebooks; then
   python3 tools/run_notebooks_as_scripts.py notebooks/*.ipynb --timeout 150 2>&1 | tee "$OUT/notebooks.log"

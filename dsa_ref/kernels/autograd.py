@@ -17,11 +17,12 @@ LOG2E = 1.4426950408889634
 # --8<-- [start:pad_indices]
 def _pad_indices(indices: torch.Tensor, multiple: int) -> torch.Tensor:
     """int32 ``[T, K']`` with ``K'`` the next multiple of ``multiple``, padded with -1 (unused slots)."""
-    T, K = indices.shape
+    K = indices.shape[1]
     padded = math.ceil(K / multiple) * multiple
-    out = torch.full((T, padded), -1, dtype=torch.int32, device=indices.device)
-    out[:, :K] = indices
-    return out
+    indices = indices.to(torch.int32)  # no copy when it is int32 already
+    if padded == K:
+        return indices.contiguous()
+    return torch.nn.functional.pad(indices, (0, padded - K), value=-1)  # [T, K'], contiguous
 # --8<-- [end:pad_indices]
 
 

@@ -18,8 +18,8 @@ TEST_HEADS = (16, 32, 64, 128)
 INDEXER_HEADS = (16, 32, 64)
 
 
-def _schedule(dkv_layout="rows", tma_reduce=False, prefetch=False) -> dict:
-    return dict(dkv_layout=dkv_layout, tma_reduce=tma_reduce, prefetch=prefetch)
+def _schedule(dkv_layout="rows", tma_reduce=False, prefetch=False, dkv_policy="Square") -> dict:
+    return dict(dkv_layout=dkv_layout, tma_reduce=tma_reduce, prefetch=prefetch, dkv_policy=dkv_policy)
 
 
 # The schedules of `sparse_mla_bwd.backward_kernel` (its knobs) that are tested on the GPU against
@@ -34,7 +34,13 @@ BACKWARD_SCHEDULES = [
     _schedule(dkv_layout="channels", tma_reduce=True),
     _schedule(tma_reduce=True, prefetch=True),
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True),
+    _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"),
 ]
+
+# The other schedules of the indexer (`indexer_fwd.indexer_kernel`, knobs besides its defaults),
+# tested against the reference and timed against the default the same way: one query per GEMM
+# (with and without the ping-pong of two accumulators), and four queries per block.
+INDEXER_SCHEDULES = [dict(merge=1, pingpong=True), dict(merge=1), dict(block_q=4, pingpong=True)]
 
 
 def kernel_set():
@@ -47,6 +53,7 @@ def kernel_set():
         if h % 64 == 0:
             jobs.append(("warp_specialized", (h, DIM, DIM_V, SM_SCALE)))
     jobs += [("backward", (128, DIM, DIM_V, SM_SCALE), kw) for kw in BACKWARD_SCHEDULES]
+    jobs += [("indexer", (64, INDEXER_DIM, True), kw) for kw in INDEXER_SCHEDULES]
     for h in INDEXER_HEADS:
         jobs.append(("indexer", (h, INDEXER_DIM, True)))
         jobs.append(("scores_at", (h, INDEXER_DIM, True)))

@@ -93,7 +93,7 @@ __device__ __forceinline__ void dsa_bulk_reduce_add_f32(const float* smem, float
 @functools.lru_cache(maxsize=None)
 def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_math: bool = True,
                     policy: str = "Square", bounds_checks: bool = False, dkv_layout: str = "channels",
-                    tma_reduce: bool = True, prefetch: bool = True):
+                    tma_reduce: bool = True, prefetch: bool = True, dkv_policy: str = "FullRow"):
     """Compile the sparse MLA backward for these sizes (any number of queries, keys and slots).
 
     Kernel arguments: ``Q [T, H, D]``, ``KV [S, D]``, ``dO [T, H, dim_v]`` bf16, ``Indices [T, K]``
@@ -115,6 +115,9 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
     * ``prefetch``: as soon as the ``dQ`` GEMMs have read the gathered rows, start gathering the
       next block's rows into the same buffers with ``cp.async`` (16 bytes per copy, no registers),
       so the loads run while the ``dKV`` GEMMs and the scatter-add do.
+    * ``dkv_policy``: how the ``[512, 32]`` value part of the ``"channels"`` dKV GEMMs is split
+      over the two warpgroups: ``"Square"`` gives each 16 of the 32 slots (both read all of
+      ``Q`` and ``dO``), ``"FullRow"`` gives each 256 of the channels.
     """
     hb, per_query = head_blocking(heads)
     if dkv_layout not in ("rows", "channels"):
@@ -128,6 +131,7 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
     bf16, f32 = "bfloat16", "float32"
     channels = dkv_layout == "channels"
     v_chunks, tail_chunks = BLOCK_S * dim_v // 8 // threads, BLOCK_S * dim_tail // 8 // threads
+    dkv_value_policy = getattr(T.GemmWarpPolicy, dkv_policy)
 
     @T.macro
     def gather_async(KV, Indices, v_s, tail_s, t, blk, tx):
@@ -261,8 +265,9 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
                         gather_async(KV, Indices, v_s, tail_s, t, blk + 1, tx)
                 # dKV_blk = dS^T Q + P^T dO   (the value channels get both terms)
                 if channels:  # its transpose: Q^T dS + dO^T P  [D, 32]
-                    T.gemm(q_s[:, :dim_v], ds_s, acc_dkv, transpose_A=True, clear_accum=True)
-                    T.gemm(do_s, p_s, acc_dkv, transpose_A=True)
+                    T.gemm(q_s[:, :dim_v], ds_s, acc_dkv, transpose_A=True, policy=dkv_value_policy,
+                           clear_accum=True)
+                    T.gemm(do_s, p_s, acc_dkv, transpose_A=True, policy=dkv_value_policy)
                     T.gemm(q_s[:, dim_v:], ds_s, acc_dkv_tail, transpose_A=True, clear_accum=True)
                 else:
                     T.gemm(ds_s, q_s[:, :dim_v], acc_dkv, transpose_A=True, policy=warp_policy,
