@@ -471,8 +471,9 @@ CELLS = [
     The index score is $I_{t,s} = \sum_j w_{t,j}\, \mathrm{ReLU}(q_{t,j} \cdot k_s)$ over $H_I = 64$
     heads of width 128, for keys $s$ in the query's window. One block of 128 threads owns 2
     consecutive queries, keeps their `[64, 128]` queries in shared memory, and walks the key tiles
-    that either can see, loading each `[64 keys, 128]` tile once for both. Per query and tile, one
-    tensor-core product, then ReLU, the head weights and the **sum over heads**. (More queries per
+    that either can see, loading each `[64 keys, 128]` tile once for both. Per tile, one tensor-core
+    product for both queries (`[64 keys, 2 x 64 heads]`), then ReLU, the head weights and, for each
+    query, the **sum over its heads**. (More queries per
     block would read each tile fewer times, but fill the shared memory so that only one block fits
     on an SM; 2 queries measured fastest.)
 
@@ -481,7 +482,7 @@ CELLS = [
     *quad* (lanes $4(r \bmod 8)$ to $4(r \bmod 8)+3$), each holding two adjacent columns. If heads are
     the rows (`[H_I, keys]`, the natural way to write it), the sum over heads runs down a column,
     across all eight quads of a warp and across the warps: shuffles and a trip through shared memory.
-    The kernel computes the product the other way round, `logits [64 keys, H_I] = K_tile @ q_t^T`:
+    The kernel computes the product the other way round, `logits [64 keys, 2 H_I] = K_tile @ [q_t; q_{t+1}]^T`:
     **keys on rows, heads on columns**, so the sum over heads runs along a row -- each thread adds its
     own columns, then two shuffles inside its quad finish the job.
     '''),
@@ -516,15 +517,16 @@ CELLS = [
     '''),
     md(r'''
     The emulation walks the same tiles: for a block of queries, the key tiles from the smallest
-    window start to the largest window end; per query and tile, `K_tile @ q^T` `[128, H_I]`, ReLU,
-    weights, a sum over the columns; scores written only inside the query's window, into an output
-    pre-filled with $-\infty$.
+    window start to the largest window end; per tile one product for the block's queries,
+    `K_tile @ [q_t; q_{t+1}]^T` `[64, 2 H_I]`, then per query ReLU, weights and a sum over its
+    columns; scores kept only inside the query's window (the kernel writes $-\infty$ everywhere
+    else itself; the emulation starts from an output full of $-\infty$).
     '''),
     code(r'''
     def emulate_indexer(q, k, w, starts, ends, block_q=2, block_n=64):
         """indexer_fwd.indexer_kernel's loops, in float64."""
         T_, S = q.shape[0], k.shape[0]
-        scores = torch.full((T_, S), -math.inf, dtype=torch.float64)   # the wrapper pre-fills -inf
+        scores = torch.full((T_, S), -math.inf, dtype=torch.float64)   # -inf outside every window
         qf, kf, wf = q.double(), k.double(), w.double()
         for t0 in range(0, T_, block_q):                                # one block of threads
             ts = range(t0, min(t0 + block_q, T_))
@@ -532,9 +534,12 @@ CELLS = [
             for s0 in range((lo // block_n) * block_n, hi, block_n):   # key tiles any of them sees
                 k_tile = kf[s0:s0 + block_n]                            # loaded once for the block's queries
                 keys = torch.arange(s0, s0 + k_tile.shape[0])
-                for t in ts:
-                    logits = k_tile @ qf[t].T                           # [keys, heads]: keys on rows
-                    row = (logits.clamp_min(0) * wf[t]).sum(dim=1)      # sum over the columns
+                q_blk = torch.cat([qf[t] for t in ts])                  # [len(ts) * H_I, D_I]
+                logits = k_tile @ q_blk.T                               # [keys, (query, head)]: one product
+                H_I = qf.shape[1]
+                for j, t in enumerate(ts):
+                    cols = logits[:, j * H_I:(j + 1) * H_I]             # query t's columns
+                    row = (cols.clamp_min(0) * wf[t]).sum(dim=1)        # sum over its heads
                     inside = (keys >= starts[t]) & (keys < ends[t])
                     scores[t, keys[inside]] = row[inside]
         return scores
