@@ -570,8 +570,8 @@ CELLS = [
     2026-12-03 are stored in the repository (the kernels and the layer step in two files):
     '''),
     code(r'''
-    RESULTS = Path("..") / "benchmarks" / "results" / "2026-12-03_h200_kernels.json"   # run from notebooks/
-    LAYERS = RESULTS.with_name("2026-12-03_h200_bench_layers.json")
+    RESULTS = Path("..") / "benchmarks" / "results" / "2026-12-03_s3_h200_kernels.json"   # run from notebooks/
+    LAYERS = RESULTS.with_name("2026-12-03_s3_h200_bench_layers.json")
     bench = json.loads(RESULTS.read_text())
     meta, rows, layers = bench["meta"], bench["rows"], json.loads(LAYERS.read_text())["layers"]
     print(f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, tilelang {meta['tilelang']}")

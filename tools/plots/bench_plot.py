@@ -1,6 +1,6 @@
 """Plot the measured TileLang kernel benchmark for docs/benchmarks.md.
 
-    python tools/plots/bench_plot.py                      # reads benchmarks/results/2026-12-03_h200_kernels.json
+    python tools/plots/bench_plot.py                      # reads benchmarks/results/2026-12-03_s3_h200_kernels.json
                                                           # and writes docs/assets/bench_kernels.png
     python tools/plots/bench_plot.py --json OTHER.json --out OTHER.png
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_JSON = ROOT / "benchmarks" / "results" / "2026-12-03_h200_kernels.json"
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "2026-12-03_s3_h200_kernels.json"
 DEFAULT_OUT = ROOT / "docs" / "assets" / "bench_kernels.png"
 PEAK = 790  # TFLOP/s, bf16 dense matrix product measured on the H200
 TARGETS = ((500, "forward target 500", "tab:blue"), (200, "backward target 200", "tab:green"))
