@@ -5,7 +5,9 @@
 For each shape (DeepSeek-V3.2 attention: H = 128 heads, latent 576 / value 512, top-k 2048,
 indexer 64 x 128) it times, with CUDA events (median of many runs after warm-up):
 
-* sparse MLA forward (warp-specialised and simple schedules) and backward;
+* sparse MLA forward (warp-specialised and simple schedules) and backward; the warp-specialised
+  forward also without the index-range check (``validate=False``) and as its kernel alone, on
+  prepared int32 indices and block counts, so that the wrapper's share is in the record;
 * the indexer scores;
 * top-k over the indexer scores: the radix-select kernel (set only, and in the reference order),
   the reference (stable sort, canonical ties) and ``torch.topk`` (sorted and unsorted);
@@ -128,6 +130,18 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, ref_reps: int) -> dict:
     with torch.no_grad():
         timed("fwd_ws", lambda: sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V,
                                                      schedule="warp_specialized"), fwd_flop, reps)
+        # the same call without the index-range check (indices from topk_indices), and the kernel
+        # alone on prepared int32 indices and block counts: what the wrapper's steps cost
+        timed("fwd_ws_unchecked", lambda: sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V,
+                                                               schedule="warp_specialized", validate=False),
+              fwd_flop, reps)
+        from dsa_ref.kernels import sparse_mla_fwd
+        from dsa_ref.kernels.autograd import _block_counts, _pad_indices
+
+        ws_kernel = sparse_mla_fwd.warp_specialized_kernel(H, DIM, DIM_V, SM_SCALE)
+        idx_ws = _pad_indices(idx, 2 * sparse_mla_fwd.BLOCK_I)  # [T, K] int32
+        pairs_ws = _block_counts(idx_ws, 2 * sparse_mla_fwd.BLOCK_I)  # [T]
+        timed("fwd_ws_kernel", lambda: ws_kernel(q, kv, idx_ws, pairs_ws), fwd_flop, reps)
         timed("fwd_simple", lambda: sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V,
                                                          schedule="simple"), fwd_flop, reps)
         timed("fwd_reference", lambda: sparse_mla(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V), fwd_flop, ref_reps)
@@ -244,13 +258,14 @@ def main() -> int:
 def markdown_table(meta: dict, rows: list[dict]) -> str:
     lines = [f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, tilelang {meta['tilelang']}",
              "",
-             "| queries x keys | fwd WS ms (TFLOP/s) | fwd simple ms (TFLOP/s) | fwd ref ms | bwd ms (TFLOP/s) | "
+             "| queries x keys | fwd WS ms (TFLOP/s) | unchecked, kernel alone ms | fwd simple ms (TFLOP/s) | fwd ref ms | bwd ms (TFLOP/s) | "
              "bwd ref ms | indexer ms (TFLOP/s, roofline ms) | indexer ref ms | top-k ref ms | torch.topk ms "
              "(unsorted) | top-k kernel ms (sorted) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['num_q']} x {r['num_kv']} | {r['fwd_ws_ms']:.2f} ({r['fwd_ws_tflops']:.0f}) | "
+            f"{r['fwd_ws_unchecked_ms']:.2f}, {r['fwd_ws_kernel_ms']:.2f} | "
             f"{r['fwd_simple_ms']:.2f} ({r['fwd_simple_tflops']:.0f}) | {r['fwd_reference_ms']:.1f} | "
             f"{r['bwd_ms']:.2f} ({r['bwd_tflops']:.0f}) | {r['bwd_reference_ms']:.1f} | "
             f"{r['indexer_ms']:.3f} ({r['indexer_tflops']:.0f}, {r['indexer_roofline_ms']:.3f}) | "

@@ -33,9 +33,19 @@ __all__ = ["sparse_mla", "sparse_attention", "attention_head_sum", "check_indice
 def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: str = "indices") -> torch.Tensor:
     """Validate top-k indices: int ``[T, K]`` (``[T, 1, K]`` accepted), values in ``[-1, num_keys)``.
 
+    Checking the values reads them back to the host: one device sync.
+
     Returns:
         the indices as ``[T, K]`` (same dtype).
     """
+    indices = check_index_shape(indices, num_queries, name)
+    if indices.numel():
+        check_index_range(index_bounds(indices), num_keys, name)
+    return indices
+
+
+def check_index_shape(indices: torch.Tensor, num_queries: int, name: str = "indices") -> torch.Tensor:
+    """The shape and dtype half of `check_indices` (no device sync); returns the indices as ``[T, K]``."""
     check_int(name, indices)
     if indices.dim() == 3:
         check_dim(name, indices, 1, 1, "one index set per query shared by all heads; [T, 1, K] is accepted")
@@ -44,14 +54,25 @@ def check_indices(indices: torch.Tensor, num_queries: int, num_keys: int, name: 
     check_dim(name, indices, 0, num_queries, "one row per query")
     if indices.shape[1] < 1:
         raise ValueError(f"{name} must have at least one slot per row, got shape {tuple(indices.shape)}")
-    if indices.numel():
-        lo, hi = torch.stack(torch.aminmax(indices)).tolist()  # one pass, one device sync
-        if lo < -1 or hi >= num_keys:
-            raise ValueError(
-                f"{name} values must be -1 (unused slot) or in [0, num_keys={num_keys}), got range [{lo}, {hi}]"
-                " (convert other sentinels, e.g. >= S_kv, to -1 first: see dsa_ref.oracle)"
-            )
     return indices
+
+
+def index_bounds(indices: torch.Tensor) -> torch.Tensor:
+    """``[2]`` tensor ``(min, max)`` of non-empty indices, on their device: queued, not read back."""
+    return torch.stack(torch.aminmax(indices))  # one pass over the indices
+
+
+def check_index_range(bounds: torch.Tensor, num_keys: int, name: str = "indices") -> None:
+    """The value half of `check_indices`: raise unless ``bounds = (min, max)`` lies in ``[-1, num_keys)``.
+
+    Reading ``bounds`` is the device sync; a caller may queue its kernels first and check after.
+    """
+    lo, hi = bounds.tolist()
+    if lo < -1 or hi >= num_keys:
+        raise ValueError(
+            f"{name} values must be -1 (unused slot) or in [0, num_keys={num_keys}), got range [{lo}, {hi}]"
+            " (convert other sentinels, e.g. >= S_kv, to -1 first: see dsa_ref.oracle)"
+        )
 
 
 def first_occurrence(idx: torch.Tensor) -> torch.Tensor:

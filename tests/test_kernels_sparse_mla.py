@@ -206,3 +206,31 @@ def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
     out_b, lse_b = sparse_mla_tilelang(q, kv, padded, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
     assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
     _check_forward(q, kv, padded, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+def test_index_range_is_checked_after_the_launch_and_can_be_skipped(schedule):
+    """``validate=True`` (the default) raises ValueError for an index out of range, although the
+    kernel is already queued: its gathers stay inside ``kv``, so the GPU is unharmed and the next
+    call is exact. ``validate=False`` on valid indices gives bit-identical results."""
+    from dsa_ref.kernels.autograd import sparse_mla_tilelang
+
+    T, S, H = 130, 300, 64
+    q, kv = _inputs(T, S, H, seed=31)
+    idx = messy_indices(T, S, TEST_TOPK, seed=31)
+    out, lse = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
+    out_u, lse_u = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule,
+                                       validate=False)
+    assert torch.equal(out, out_u) and torch.equal(lse, lse_u)
+    for bad_value in (S, 10 * S, -2):
+        bad = idx.clone()
+        bad[T // 2, 3] = bad_value
+        with pytest.raises(ValueError, match=rf"indices values must be -1 .*num_keys={S}.*{bad_value}"):
+            sparse_mla_tilelang(q, kv, bad, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
+    int64_wraps = idx.long().clone()
+    int64_wraps[0, 0] = 2**32 + 1  # int32 of it is 1: in range for the kernel, still an error
+    with pytest.raises(ValueError, match="num_keys"):
+        sparse_mla_tilelang(q, kv, int64_wraps, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
+    torch.cuda.synchronize()  # no fault was left behind
+    again, _ = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule=schedule)
+    assert torch.equal(again, out)

@@ -482,3 +482,27 @@ def test_bad_inputs_raise_clear_errors():
     # check_indices names the argument it is given
     with pytest.raises(ValueError, match=r"^topk_indices values"):
         check_indices(torch.tensor([[7]]), 1, 5, name="topk_indices")
+
+
+def test_check_indices_halves_split_shape_from_range():
+    """`check_indices` = `check_index_shape` (no device sync) + `check_index_range` of `index_bounds`,
+    the split the kernel wrapper uses to read the range back only after its launch."""
+    from dsa_ref.sparse_attention import check_index_range, check_index_shape, index_bounds
+
+    idx = torch.tensor([[[3, -1, 0]], [[4, 4, -1]]])  # [T=2, 1, K=3]
+    flat = check_index_shape(idx, 2)
+    assert flat.shape == (2, 3) and torch.equal(flat, idx[:, 0])
+    assert index_bounds(flat).tolist() == [-1, 4]
+    check_index_range(index_bounds(flat), 5)  # in range: no error
+    with pytest.raises(ValueError, match=r"^indices values .*num_keys=4\), got range \[-1, 4\]"):
+        check_index_range(index_bounds(flat), 4)
+    with pytest.raises(ValueError, match=r"^idx values .*got range \[-3, 4\]"):
+        check_index_range(index_bounds(torch.tensor([[-3, 4]])), 9, name="idx")
+    # the shape half never looks at values, and still names what it expected
+    check_index_shape(torch.tensor([[99]]), 1)
+    with pytest.raises(ValueError, match="one row per query"):
+        check_index_shape(flat, 3)
+    with pytest.raises(TypeError):
+        check_index_shape(flat.float(), 2)
+    with pytest.raises(ValueError, match="at least one slot"):
+        check_index_shape(torch.zeros(2, 0, dtype=torch.long), 2)

@@ -5,11 +5,12 @@ size, ``[S, D]`` contiguous latent rows, base-2 vs natural LSE) and checks shape
 support; ``*_supported`` returns ``None`` when a call is fine and a reason string when it is not.
 """
 
+import functools
 import math
 
 import torch
 
-from ..sparse_attention import check_indices
+from ..sparse_attention import check_index_range, check_index_shape, index_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -33,10 +34,15 @@ def _block_counts(indices: torch.Tensor, block: int) -> torch.Tensor:
     The kernels visit only these blocks, so trailing ``-1`` slots (a short causal window, or the
     padding to the kernel's block) are never gathered or computed. A row with no valid slot gets 0.
     """
-    K = indices.shape[1]
-    slot_end = torch.arange(1, K + 1, device=indices.device, dtype=torch.int32)  # [K]
-    last = torch.where(indices >= 0, slot_end, 0).amax(dim=1)  # [T]: one past the last valid slot
-    return ((last + block - 1) // block).to(torch.int32).contiguous()
+    blocks_through = _blocks_through(indices.shape[1], block, indices.device)  # [K]
+    return torch.where(indices >= 0, blocks_through, 0).amax(dim=1)  # [T] int32
+
+
+@functools.lru_cache(maxsize=64)
+def _blocks_through(K: int, block: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[K]``: slot ``j`` is in block ``j // block``, so a row whose last valid slot is ``j``
+    needs ``j // block + 1`` blocks. Cached: the calls of a training run share a few ``K``."""
+    return torch.arange(block, K + block, device=device, dtype=torch.int32) // block
 # --8<-- [end:block_counts]
 
 
@@ -112,7 +118,8 @@ class SparseMLAFunction(torch.autograd.Function):
 # --8<-- [end:sparse_mla_function]
 
 
-def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto"):
+# --8<-- [start:sparse_mla_tilelang]
+def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True):
     """Sparse MLA on TileLang with the readable API's contract (see `dsa_ref.sparse_mla`).
 
     Args:
@@ -120,16 +127,28 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto"):
             (``[T, 1, K]`` accepted), ``-1`` = unused slot.
         schedule: ``"warp_specialized"`` (64-head blocks), ``"simple"``, or ``"auto"`` (the
             warp-specialised one whenever ``H`` is a multiple of 64).
+        validate: check that every index is ``-1`` or in ``[0, S)``, and raise ``ValueError`` if
+            not. The check is queued on the GPU with the kernel and read back after the launch
+            (one device sync per call, which the kernel's time hides); the forward kernels clamp
+            every gather into ``[0, S)``, so a bad index never reads outside ``kv`` before the error.
+            ``False`` skips the check and its sync, for indices that are in range by construction
+            (those of `dsa_ref.topk_indices`, as `DSAttention` uses them): out-of-range values
+            are then undefined behaviour, in the backward too.
     """
     if kv.dim() == 3:
         kv = kv[:, 0]
-    indices = check_indices(indices, q.shape[0], kv.shape[0])
+    indices = check_index_shape(indices, q.shape[0])
     reason = sparse_mla_supported(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(f"sparse_mla_tilelang: {reason}")
     if schedule == "auto":
         schedule = "warp_specialized" if q.shape[1] % 64 == 0 else "simple"
-    return SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule)
+    bounds = index_bounds(indices) if validate and indices.numel() else None  # [2] on the GPU, not read yet
+    out, lse = SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule)
+    if bounds is not None:
+        check_index_range(bounds, kv.shape[0])  # the sync, after the kernel is queued
+    return out, lse
+# --8<-- [end:sparse_mla_tilelang]
 
 
 # ----------------------------------------------------------------------------- indexer

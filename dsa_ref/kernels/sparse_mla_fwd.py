@@ -21,7 +21,9 @@ Two schedules of the same math:
   *consumer 1* the right half of PV, synchronised by barriers (the schedule FlashMLA uses).
 
 Conventions at this boundary: indices int32, ``-1`` = unused slot (masked, never read), natural-log
-LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. ``K`` must be a multiple of 64
+LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. No gather reads outside ``KV``
+for an index out of range (the wrapper raises for it after the launch): the simple kernel clamps
+the row into ``[0, S)``, the warp-specialised one's copies are guarded by TileLang. ``K`` must be a multiple of 64
 (the wrapper pads with ``-1``). ``K`` is not a compile-time constant: one compiled kernel serves
 every top-k. Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the
 ``-1`` padding of short windows (early queries of a causal sequence) costs nothing.
@@ -44,7 +46,7 @@ _PASS_SIMPLE = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
     # K is a runtime size, so TileLang would guard every load of Indices with ``slot < K``; the
-    # wrapper pads K to a multiple of 64 and checks every index against [-1, S) before the launch
+    # wrapper pads K to a multiple of 64, and the gathers clamp every index into [0, S)
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
 }
 
@@ -108,11 +110,12 @@ def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
                                    annotations={"pragma_unroll_explicit": True}):
                 for i in T.Parallel(BLOCK_I):
                     valid[i] = Indices[t, blk * BLOCK_I + i] >= 0
-                # gather the selected rows; a -1 slot reads row 0 instead and is masked below
+                # gather the selected rows; a -1 slot reads row 0 instead and is masked below, and
+                # the clamp to S - 1 keeps an out-of-range index (which the wrapper then reports) inside kv
                 for i, d in T.Parallel(BLOCK_I, dim_v):
-                    v_s[i, d] = KV[T.max(Indices[t, blk * BLOCK_I + i], 0), d]
+                    v_s[i, d] = KV[T.min(T.max(Indices[t, blk * BLOCK_I + i], 0), num_kv - 1), d]
                 for i, d in T.Parallel(BLOCK_I, dim_tail):
-                    tail_s[i, d] = KV[T.max(Indices[t, blk * BLOCK_I + i], 0), dim_v + d]
+                    tail_s[i, d] = KV[T.min(T.max(Indices[t, blk * BLOCK_I + i], 0), num_kv - 1), dim_v + d]
                 for h, i in T.Parallel(hb, BLOCK_I):
                     acc_s[h, i] = T.if_then_else(valid[i], 0, -T.infinity(f32))
                 T.gemm(q_s[:, :dim_v], v_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -291,6 +294,8 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                             row = Indices[t, (it * 2 + stage) * BLOCK_I + slot]
                             valid_s[stage, slot] = row >= 0
                             row = T.max(row, 0)  # a -1 slot copies row 0 (finite) and is masked
+                            # (TileLang guards this copy with 0 <= row < S: an out-of-range index,
+                            # which the wrapper reports after the launch, reads zeros, not past kv)
                             for u in T.serial(chunks_per_row):
                                 T.ptx_cp_async(
                                     T.access_ptr(kv_s[stage, slot, 64 * u + (p % 8) * 8], "w", 8),
