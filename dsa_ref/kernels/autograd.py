@@ -128,12 +128,13 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
         schedule: ``"warp_specialized"`` (64-head blocks), ``"simple"``, or ``"auto"`` (the
             warp-specialised one whenever ``H`` is a multiple of 64).
         validate: check that every index is ``-1`` or in ``[0, S)``, and raise ``ValueError`` if
-            not. The check is queued on the GPU with the kernel and read back after the launch
-            (one device sync per call, which the kernel's time hides); the forward kernels clamp
-            every gather into ``[0, S)``, so a bad index never reads outside ``kv`` before the error.
-            ``False`` skips the check and its sync, for indices that are in range by construction
-            (those of `dsa_ref.topk_indices`, as `DSAttention` uses them): out-of-range values
-            are then undefined behaviour, in the backward too.
+            not. The minimum and maximum are computed on the GPU next to the kernel and read back
+            after the launch: one device sync per call, which waits for the kernel, so the host
+            queues nothing further meanwhile. Until the error, no gather reads outside ``kv``
+            (the simple kernel clamps its rows, TileLang guards the warp-specialised one's copies).
+            ``False`` skips the check and its sync, for indices that are in range by construction,
+            such as those of `dsa_ref.topk_indices`. Out-of-range values are then undefined
+            behaviour, in the backward too.
     """
     if kv.dim() == 3:
         kv = kv[:, 0]
