@@ -258,7 +258,8 @@ def main() -> int:
 def markdown_table(meta: dict, rows: list[dict]) -> str:
     lines = [f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, tilelang {meta['tilelang']}",
              "",
-             "| queries x keys | fwd WS ms (TFLOP/s) | unchecked, kernel alone ms | fwd simple ms (TFLOP/s) | fwd ref ms | bwd ms (TFLOP/s) | "
+             "| queries x keys | fwd WS ms (TFLOP/s) | unchecked, kernel alone ms | fwd simple ms (TFLOP/s) | "
+             "fwd ref ms | bwd ms (TFLOP/s) | "
              "bwd ref ms | indexer ms (TFLOP/s, roofline ms) | indexer ref ms | top-k ref ms | torch.topk ms "
              "(unsorted) | top-k kernel ms (sorted) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -24,8 +24,8 @@ Conventions at this boundary: indices int32, ``-1`` = unused slot (masked, never
 LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. No gather reads outside ``KV``
 for an index out of range (the wrapper raises for it after the launch): the simple kernel clamps
 the row into ``[0, S)``, the warp-specialised one's copies are guarded by TileLang. ``K`` must be
-a multiple of 64 (the wrapper pads with ``-1``). ``K`` is not a compile-time constant: one compiled kernel serves
-every top-k. Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the
+a multiple of 64 (the wrapper pads with ``-1``). ``K`` is not a compile-time constant: one
+compiled kernel serves every top-k. Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the
 ``-1`` padding of short windows (early queries of a causal sequence) costs nothing.
 """
 
