@@ -72,6 +72,15 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_nonnegative_int(name: str, value: object) -> int:
+    """Raise TypeError/ValueError unless ``value`` is an int >= 0 (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
 def check_scale(name: str, value: object) -> float:
     """Raise TypeError/ValueError unless ``value`` is a finite positive number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

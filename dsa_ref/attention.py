@@ -13,11 +13,21 @@ empty window has ``o = 0`` and ``lse = -inf``, and produces no NaN in forward or
 Memory: the scores of all heads for all queries, ``[T, H, S]``, are never held at once. Queries are
 processed in chunks, and each chunk runs under activation checkpointing, so autograd keeps only
 the chunk's inputs and recomputes its ``[chunk, H, S]`` scores in backward.
+
+**Unread memory never reaches a result.** A key outside a query's window may hold anything (NaN,
+Inf, the rest of a KV cache): the query's output, its LSE and every gradient are exactly what they
+are with that key zeroed, and the key's own gradient is exactly 0. Masking the *scores* is not
+enough for that: a probability of 0 times a NaN value is NaN, in forward and in backward. So keys
+are masked by *selection*: within a chunk of queries, the keys every query of the chunk sees are
+used as they are, and the few keys only some of them see are gathered per query with
+``torch.where`` (`split_window_keys`, `select_rows`), so a query's arithmetic never touches a key
+outside its window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -70,27 +80,130 @@ def auto_chunk_size(num_rows: int, elements_per_row: int, chunk_size: int | None
     return max(1, min(max(num_rows, 1), budget // max(elements_per_row, 1)))
 
 
+def chunk_bounds(num_rows: int, chunk: int, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Consecutive ``(lo, hi)`` row ranges of at most ``chunk`` rows; a new range also starts at every break.
+
+    ``num_rows = 0`` gives one empty range, so functions still return correctly shaped empty results.
+    """
+    cuts = sorted({0, num_rows, *(b for b in breaks if 0 < b < num_rows)})
+    bounds = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        bounds += [(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)]
+    return bounds or [(0, 0)]
+
+
 def run_chunked(fn: Callable[..., tuple[torch.Tensor, ...]], num_rows: int, chunk: int,
-                row_args: tuple[torch.Tensor | None, ...], shared_args: tuple[torch.Tensor, ...]
-                ) -> tuple[torch.Tensor, ...]:
+                row_args: tuple[torch.Tensor | None, ...], shared_args: tuple[torch.Tensor, ...],
+                breaks: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
     """Apply ``fn(*row_chunk, *shared)`` to consecutive row chunks and concatenate the results.
 
     ``row_args`` are sliced along dim 0 (``None`` stays ``None``); ``shared_args`` are passed whole.
+    Chunks hold at most ``chunk`` rows and also begin at every row in ``breaks`` (`chunk_bounds`).
     When autograd is recording, each chunk runs under non-reentrant activation checkpointing, so its
     intermediates are recomputed in backward instead of being kept for all chunks at once.
     """
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (*row_args, *shared_args)
     )
+    bounds = chunk_bounds(num_rows, chunk, breaks)
     outs = []
-    for lo in range(0, max(num_rows, 1), chunk):
-        hi = min(lo + chunk, num_rows)
+    for lo, hi in bounds:
         args = tuple(None if t is None else t[lo:hi] for t in row_args) + tuple(shared_args)
-        if needs_grad and num_rows > chunk:
+        if needs_grad and len(bounds) > 1:
             outs.append(checkpoint(fn, *args, use_reentrant=False))
         else:
             outs.append(fn(*args))
     return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
+
+
+# --8<-- [start:select_rows]
+def select_rows(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` where ``valid``, exact zeros elsewhere: ``[S, *F]`` by ``[R, K]`` -> ``[R, K, *F]``.
+
+    The one way the reference reads rows by index. An invalid slot (a ``-1``, a key outside the
+    window) reads row 0 as a placeholder and then gets zeros by *selection*, so whatever row 0 or
+    any unselected row holds (NaN, Inf) never reaches a result, and the gradient of an unselected
+    row is exactly 0. ``S = 0`` is allowed (every slot must then be invalid).
+
+    Args:
+        x: ``[S, *F]`` rows (keys, latent rows, values).
+        idx: int ``[R, K]`` row numbers; only the ``valid`` ones need to lie in ``[0, S)``.
+        valid: bool ``[R, K]``.
+    """
+    if x.shape[0] == 0:  # no rows at all: read one zero row instead, so the graph still reaches x
+        x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # [1, *F]
+    picked = x[torch.where(valid, idx, torch.zeros_like(idx))]  # [R, K, *F]; invalid slots read row 0 ...
+    keep = valid.view(*valid.shape, *([1] * (x.dim() - 1)))  # [R, K, 1, ...]
+    return torch.where(keep, picked, torch.zeros((), dtype=x.dtype, device=x.device))  # ... and get zeros
+# --8<-- [end:select_rows]
+
+
+class WindowKeys(NamedTuple):
+    """How a chunk of queries reads the keys of its windows (`split_window_keys`).
+
+    Attributes:
+        common: the keys inside *every* query's window of the chunk, read as they are.
+        ragged: int64 ``[R]``, the other keys inside *some* query's window of the chunk.
+        ragged_valid: bool ``[C, R]``, which query's window holds each ragged key.
+    """
+
+    common: slice
+    ragged: torch.Tensor
+    ragged_valid: torch.Tensor
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (``[S, *F]``, one row per key) as ``(x[common] [L, *F], ragged rows [C, R, *F])``;
+        a ragged row outside a query's window is exact zeros for that query (`select_rows`)."""
+        idx = self.ragged[None, :].expand(self.ragged_valid.shape[0], -1)  # [C, R]
+        return x[self.common], select_rows(x, idx, self.ragged_valid)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """int64 ``[L + R]``: the key each column of ``cat([common, ragged])`` stands for."""
+        common = torch.arange(self.common.start, self.common.stop, device=self.ragged.device)  # [L]
+        return torch.cat([common, self.ragged])
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool ``[C, L + R]``: whether each column is inside each query's window."""
+        C, L = self.ragged_valid.shape[0], self.common.stop - self.common.start
+        every = torch.ones(C, L, dtype=torch.bool, device=self.ragged_valid.device)  # [C, L]
+        return torch.cat([every, self.ragged_valid], dim=1)
+
+
+# --8<-- [start:split_window_keys]
+def split_window_keys(starts: torch.Tensor, ends: torch.Tensor) -> WindowKeys:
+    """Split the keys a chunk of queries reads into those all of them see and the ragged rest.
+
+    Keys in ``[max(starts), min(ends))`` are in every window of the chunk: a plain matrix product
+    reads them. The other keys of ``[min(starts), max(ends))`` are in some windows only; they are
+    gathered per query and zeroed by selection where a window does not hold them. For causal
+    queries of one sequence, the ragged keys are the chunk's own diagonal block (fewer than
+    ``C``); keys outside ``[min(starts), max(ends))`` are never touched.
+
+    Args:
+        starts, ends: int64 ``[C]`` the chunk's key windows.
+    """
+    if starts.numel() == 0:  # an empty chunk reads nothing
+        nothing = torch.zeros(0, dtype=torch.int64, device=starts.device)
+        return WindowKeys(slice(0, 0), nothing, torch.zeros(0, 0, dtype=torch.bool, device=starts.device))
+    lo, hi, all_from, all_to = torch.stack([starts.min(), ends.max(), starts.max(), ends.min()]).tolist()
+    if all_from >= all_to:  # no key is in every window
+        all_from = all_to = lo
+    device = starts.device
+    ragged = torch.cat([torch.arange(lo, all_from, device=device),
+                        torch.arange(all_to, max(hi, all_to), device=device)])  # [R]
+    ragged_valid = (ragged[None, :] >= starts[:, None]) & (ragged[None, :] < ends[:, None])  # [C, R]
+    return WindowKeys(slice(all_from, all_to), ragged, ragged_valid)
+# --8<-- [end:split_window_keys]
+
+
+def window_breaks(starts: torch.Tensor | None) -> list[int]:
+    """Rows where the window start changes (new packed sequences): chunks begin there, so that a
+    chunk's ragged keys stay few (`split_window_keys`). One read of ``starts`` to the host."""
+    if starts is None or starts.numel() < 2:
+        return []
+    return (torch.nonzero(starts[1:] != starts[:-1]).flatten() + 1).tolist()
 
 
 def masked_softmax_with_lse(scores: torch.Tensor, valid: torch.Tensor | None
@@ -158,26 +271,34 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
 
     acc = accumulation_dtype(q)
     S = k.shape[0]
+    mha = k.dim() == 3
     chunk = auto_chunk_size(T, H * S, chunk_size)
+    if starts is not None:  # bound the ragged keys' [C, R, (H,) D] selection too: R < C for causal rows
+        per_key = (H if mha else 1) * (k.shape[-1] + v.shape[-1])
+        chunk = min(chunk, max(1, int((DEFAULT_CHUNK_ELEMENTS / per_key) ** 0.5))) if chunk_size is None else chunk
 
     def attend(q_c, starts_c, ends_c, k_, v_):
         q_c, k_, v_ = q_c.to(acc), k_.to(acc), v_.to(acc)
-        if k_.dim() == 2:
-            scores = torch.einsum("thd,sd->ths", q_c, k_) * sm_scale  # [C, H, S]
-        else:
-            scores = torch.einsum("thd,shd->ths", q_c, k_) * sm_scale  # [C, H, S]
-        valid = None
-        if starts_c is not None:
-            key = torch.arange(S, device=q_c.device)  # [S]
-            valid = ((key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None]))[:, None, :]  # [C, 1, S]
-        probs, lse = masked_softmax_with_lse(scores, valid)  # [C, H, S], [C, H]
-        if v_.dim() == 2:
-            out = torch.einsum("ths,sv->thv", probs, v_)  # [C, H, D_v]
-        else:
-            out = torch.einsum("ths,shv->thv", probs, v_)  # [C, H, D_v]
+        if starts_c is None:  # no mask: every key, as it is
+            k_all, v_all = k_, v_
+            scores = torch.einsum("thd,shd->ths" if mha else "thd,sd->ths", q_c, k_all) * sm_scale  # [C, H, S]
+            probs, lse = masked_softmax_with_lse(scores, None)  # [C, H, S], [C, H]
+            out = torch.einsum("ths,shv->thv" if mha else "ths,sv->thv", probs, v_all)  # [C, H, D_v]
+            return out.to(q.dtype), lse
+        keys = split_window_keys(starts_c, ends_c)
+        k_common, k_ragged = keys.select(k_)  # [L, (H,) D], [C, R, (H,) D]
+        v_common, v_ragged = keys.select(v_)  # [L, (H,) D_v], [C, R, (H,) D_v]
+        scores = torch.cat([
+            torch.einsum("thd,shd->ths" if mha else "thd,sd->ths", q_c, k_common),  # [C, H, L]
+            torch.einsum("thd,trhd->thr" if mha else "thd,trd->thr", q_c, k_ragged),  # [C, H, R]
+        ], dim=-1) * sm_scale  # [C, H, L + R]
+        probs, lse = masked_softmax_with_lse(scores, keys.valid[:, None, :])  # [C, H, L + R], [C, H]
+        p_common, p_ragged = probs.split([k_common.shape[0], k_ragged.shape[1]], dim=-1)
+        out = (torch.einsum("ths,shv->thv" if mha else "ths,sv->thv", p_common, v_common)
+               + torch.einsum("thr,trhv->thv" if mha else "thr,trv->thv", p_ragged, v_ragged))  # [C, H, D_v]
         return out.to(q.dtype), lse
 
-    return run_chunked(attend, T, chunk, (q, starts, ends), (k, v))
+    return run_chunked(attend, T, chunk, (q, starts, ends), (k, v), breaks=window_breaks(starts))
 
 
 def dense_mla_attention(q: torch.Tensor, kv: torch.Tensor, *, sm_scale: float, d_v: int = 512,

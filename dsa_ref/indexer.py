@@ -37,9 +37,10 @@ from ._checks import (
     check_same_device,
     check_windows,
 )
-from .attention import auto_chunk_size, run_chunked
+from .attention import auto_chunk_size, run_chunked, select_rows, split_window_keys, window_breaks
 from .config import DSAConfig
-from .mla import check_tokens
+from .layout import key_windows, positions
+from .mla import check_tokens, tokens_cu_seqlens
 from .rope import apply_rope, rope_cos_sin, rope_dtype_for, rope_inv_freq
 
 __all__ = ["LightningIndexer", "lightning_indexer", "index_scores_at", "topk_indices", "hadamard_matrix", "rotate_activation"]
@@ -108,6 +109,31 @@ class LightningIndexer(nn.Module):
         cos, sin = rope_cos_sin(pos, inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
         x_pe = apply_rope(x_pe, cos, sin, interleaved=ic.rope_interleaved)
         return torch.cat([x_pe, x_nope], dim=-1)  # [T, ..., D_I]
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                relu: bool | None = None) -> torch.Tensor:
+        """The indexer on its own: index scores of packed causal sequences.
+
+        Projects queries, keys and head weights at each token's RoPE position in its own sequence
+        (`project`), then scores every key of each query's causal window (`lightning_indexer`).
+        ``topk_indices(indexer(x, qr, cu_seqlens), topk)`` is the selection `dsa_ref.DSAttention`
+        makes; the layer itself calls `project` and scores with its backend.
+
+        Args:
+            x: ``[T, dim]`` hidden states (the layer's input after its norm).
+            qr: ``[T, q_lora_rank]`` MLA's normalised query latent of the same tokens.
+            cu_seqlens: int ``[num_seqs + 1]`` packed sequence boundaries; default one sequence.
+            relu: the ReLU of the scores; default ``config.indexer.use_relu``.
+
+        Returns:
+            ``[T, T]`` float32 (float64 for float64 inputs), ``-inf`` outside each causal window.
+        """
+        check_tokens(x, self.config.mla.dim)
+        cu = tokens_cu_seqlens(x, cu_seqlens)
+        q, k, weights = self.project(x, qr, positions(cu))  # [T, H_I, D_I], [T, D_I], [T, H_I]
+        starts, ends = key_windows(cu)  # [T] each
+        return lightning_indexer(q, k, weights, starts=starts, ends=ends,
+                                 relu=self.config.indexer.use_relu if relu is None else relu)  # [T, T]
 
     # --8<-- [start:indexer_project]
     def project(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor
@@ -184,18 +210,22 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *
     S = k.shape[0]
 
     def score(q_c, w_c, starts_c, ends_c, k_):
-        logits = torch.einsum("thd,sd->ths", q_c.to(acc), k_.to(acc))  # [C, H_I, S]
-        if relu:
-            logits = logits.relu()
-        scores = torch.einsum("ths,th->ts", logits, w_c.to(acc))  # [C, S]
-        if starts_c is not None:
-            key = torch.arange(S, device=q_c.device)  # [S]
-            inside = (key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None])  # [C, S]
-            scores = scores.masked_fill(~inside, float("-inf"))
-        return (scores,)
+        q_c, w_c = q_c.to(acc), w_c.to(acc)
+        if starts_c is None:  # no mask: every key, as it is
+            logits = torch.einsum("thd,sd->ths", q_c, k_.to(acc))  # [C, H_I, S]
+            return (torch.einsum("ths,th->ts", logits.relu() if relu else logits, w_c),)  # [C, S]
+        # keys outside a query's window are never multiplied into its scores (see dsa_ref.attention)
+        keys = split_window_keys(starts_c, ends_c)
+        k_common, k_ragged = keys.select(k_.to(acc))  # [L, D_I], [C, R, D_I]
+        logits = torch.cat([torch.einsum("thd,sd->ths", q_c, k_common),  # [C, H_I, L]
+                            torch.einsum("thd,trd->thr", q_c, k_ragged)], dim=-1)  # [C, H_I, L + R]
+        inner = torch.einsum("thk,th->tk", logits.relu() if relu else logits, w_c)  # [C, L + R]
+        inner = torch.where(keys.valid, inner, torch.full((), float("-inf"), dtype=acc, device=q_c.device))
+        scores = torch.full((q_c.shape[0], S), float("-inf"), dtype=acc, device=q_c.device)  # [C, S]
+        return (scores.index_copy(1, keys.keys, inner),)  # -inf outside the window
 
     chunk = auto_chunk_size(T, H * S, chunk_size)
-    (scores,) = run_chunked(score, T, chunk, (q, weights, starts, ends), (k,))
+    (scores,) = run_chunked(score, T, chunk, (q, weights, starts, ends), (k,), breaks=window_breaks(starts))
     return scores
 # --8<-- [end:lightning_indexer]
 
@@ -229,12 +259,13 @@ def index_scores_at(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ind
     acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, weights.dtype) else torch.float32
 
     def score(q_c, w_c, idx_c, k_):
-        k_sel = k_[idx_c.clamp_min(0)].to(acc)  # [C, K, D_I]; -1 slots read key 0, masked below
+        valid = idx_c >= 0  # [C, K]
+        k_sel = select_rows(k_, idx_c, valid).to(acc)  # [C, K, D_I]; -1 slots: zeros, by selection
         logits = torch.einsum("thd,tkd->thk", q_c.to(acc), k_sel)  # [C, H_I, K]
         if relu:
             logits = logits.relu()
         scores = torch.einsum("thk,th->tk", logits, w_c.to(acc))  # [C, K]
-        return (scores.masked_fill(idx_c < 0, float("-inf")),)
+        return (torch.where(valid, scores, torch.full((), float("-inf"), dtype=acc, device=scores.device)),)
 
     chunk = auto_chunk_size(T, H * max(indices.shape[1], 1), chunk_size)
     (scores,) = run_chunked(score, T, chunk, (q, weights, indices), (k,))

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ._checks import check_dim, check_float, check_rank, check_same_device, check_scale, check_windows
-from .attention import auto_chunk_size, masked_softmax_with_lse
+from .attention import auto_chunk_size, masked_softmax_with_lse, select_rows
 from .layout import window_mask
 from .sparse_attention import check_indices, first_occurrence
 
@@ -187,7 +187,7 @@ def indexer_loss(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *
         chunk = auto_chunk_size(T, q.shape[1] * S, chunk_size)
     else:  # sparse stage: only the selected keys are gathered, [chunk, K, D] at a time
         K = topk_indices.shape[1]
-        chunk = auto_chunk_size(T, K * max(q.shape[1], k[0].numel()), chunk_size)
+        chunk = auto_chunk_size(T, K * max(q.shape[1], k[0].numel() if S else 1), chunk_size)
     total = index_scores.new_zeros((), dtype=acc)
     rows_counted = 0
     for lo in range(0, T, chunk):
@@ -285,9 +285,9 @@ def _selected_rows(index_scores, q, k, topk_indices, rows, starts, ends, row_mas
         valid = valid & (idx >= starts[rows, None]) & (idx < ends[rows, None])
     if row_mask is not None:
         valid = valid & row_mask[rows, None]
-    safe = idx.clamp_min(0)  # invalid slots read key 0 and are masked
+    safe = torch.where(valid, idx, torch.zeros_like(idx))  # [R, K]; invalid slots read column 0 ...
     with torch.no_grad():
-        k_sel = k[safe].to(acc)  # [R, K, D] or [R, K, H, D]
+        k_sel = select_rows(k, idx, valid).to(acc)  # [R, K, D] or [R, K, H, D]; invalid slots: zeros
         if k.dim() == 2:
             scores = torch.einsum("thd,tkd->thk", q[rows].to(acc), k_sel) * sm_scale  # [R, H, K]
         else:
@@ -297,7 +297,10 @@ def _selected_rows(index_scores, q, k, topk_indices, rows, starts, ends, row_mas
         if head_sum_reduce is not None:
             summed = head_sum_reduce(summed)
         target = _l1_normalise(summed).to(acc)  # [R, K]
-    log_pred = masked_log_softmax(index_scores[rows].to(acc).gather(1, safe), valid)  # [R, K]
+    scores = index_scores[rows].to(acc)  # [R, S]
+    if scores.shape[1] == 0:  # no keys: every slot is invalid; read a zero column instead
+        scores = scores.new_zeros(scores.shape[0], 1)  # [R, 1]
+    log_pred = masked_log_softmax(scores.gather(1, safe), valid)  # [R, K]; ... and are masked here
     return target, log_pred, valid
 
 
@@ -353,7 +356,8 @@ def indexer_logit_grad(index_scores: torch.Tensor, q: torch.Tensor, k: torch.Ten
     windows = check_windows(starts, ends, T, S)
     st, en = windows if windows is not None else (None, None)
     valid = valid_keys(S, slice(0, T), starts=st, ends=en, topk_indices=topk_indices, device=q.device)
-    pred = masked_log_softmax(index_scores.detach().to(target.dtype), valid).exp() * valid  # [T, S]
+    log_pred = masked_log_softmax(index_scores.detach().to(target.dtype), valid)  # [T, S]
+    pred = torch.where(valid, log_pred.exp(), torch.zeros_like(log_pred))  # [T, S]
     n = int(valid.any(dim=-1).sum())
     c = coeff / max(n, 1) if reduction == "mean" else coeff
     return c * (pred - target)

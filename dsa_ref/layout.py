@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_int, check_rank, check_tensor
+from ._checks import check_int, check_nonnegative_int, check_rank, check_tensor
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> torch.Tensor:
@@ -156,6 +156,7 @@ def window_mask(starts: torch.Tensor, ends: torch.Tensor, num_keys: int) -> torc
     check_rank("ends", ends, 1, "[T]")
     if starts.shape != ends.shape:
         raise ValueError(f"starts {tuple(starts.shape)} and ends {tuple(ends.shape)} must have the same shape")
+    check_nonnegative_int("num_keys", num_keys)
     s = torch.arange(num_keys, device=starts.device)  # [S]
     return (s[None, :] >= starts[:, None]) & (s[None, :] < ends[:, None])  # [T, S]
 

@@ -25,7 +25,7 @@ import torch
 
 from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_same_device, check_scale
 from .attention import (auto_chunk_size, check_latent_operands, check_value_width, masked_softmax_with_lse,
-                        run_chunked)
+                        run_chunked, select_rows)
 
 __all__ = ["sparse_mla", "sparse_attention", "attention_head_sum", "check_indices", "first_occurrence"]
 
@@ -113,8 +113,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_s
 
     def attend(q_c, idx_c, kv_):
         valid = idx_c >= 0  # [C, K]
-        # -1 slots gather row 0 as a placeholder; the mask below gives them probability 0
-        kv_sel = kv_.to(acc)[idx_c.clamp_min(0)]  # [C, K, D]
+        kv_sel = select_rows(kv_, idx_c, valid).to(acc)  # [C, K, D]; -1 slots: zeros, by selection
         scores = torch.einsum("thd,tkd->thk", q_c.to(acc), kv_sel) * sm_scale  # [C, H, K]
         probs, lse = masked_softmax_with_lse(scores, valid[:, None, :])  # [C, H, K], [C, H]
         out = torch.einsum("thk,tkv->thv", probs, kv_sel[..., :d_v])  # [C, H, d_v]
@@ -164,11 +163,12 @@ def attention_head_sum(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     acc = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
 
     def mass(q_c, idx_c, lse_c, kv_):
-        kv_sel = kv_[idx_c.clamp_min(0)].to(acc)  # [C, K, D]; -1 slots read row 0, masked below
+        valid = idx_c >= 0  # [C, K]
+        kv_sel = select_rows(kv_, idx_c, valid).to(acc)  # [C, K, D]; -1 slots: zeros, by selection
         logits = torch.einsum("thd,tkd->thk", q_c.to(acc), kv_sel) * sm_scale  # [C, H, K]
         lse_safe = torch.where(torch.isinf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)  # empty: p = 0
         probs = torch.exp(logits - lse_safe.to(acc)[:, :, None])  # [C, H, K]
-        return (probs.sum(dim=1).masked_fill(idx_c < 0, 0.0),)  # [C, K]
+        return (torch.where(valid, probs.sum(dim=1), torch.zeros((), dtype=acc, device=q_c.device)),)  # [C, K]
 
     with torch.no_grad():
         chunk = auto_chunk_size(T, H * max(indices.shape[1], 1), chunk_size)
@@ -207,8 +207,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 
     def attend(q_c, idx_c, k_, v_):
         valid = idx_c >= 0  # [C, K]
-        safe = idx_c.clamp_min(0)  # [C, K]; masked below
-        k_sel, v_sel = k_.to(acc)[safe], v_.to(acc)[safe]  # [C, K, H, D], [C, K, H, D_v]
+        k_sel = select_rows(k_, idx_c, valid).to(acc)  # [C, K, H, D]; -1 slots: zeros, by selection
+        v_sel = select_rows(v_, idx_c, valid).to(acc)  # [C, K, H, D_v]
         scores = torch.einsum("thd,tkhd->thk", q_c.to(acc), k_sel) * sm_scale  # [C, H, K]
         probs, lse = masked_softmax_with_lse(scores, valid[:, None, :])  # [C, H, K], [C, H]
         out = torch.einsum("thk,tkhv->thv", probs, v_sel)  # [C, H, D_v]
