@@ -45,7 +45,7 @@ def _indices(T, S, K, seed):
 def test_sparse_mla_forward_and_backward(junk, schedule):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
-    T, S, H, K = 131, 700, 64, 100  # K = 100: padded to the kernels' block with -1
+    T, S, H, K = 131, 4000, 64, 100  # K = 100: padded to the kernels' block with -1
     g = torch.Generator(device="cpu").manual_seed(7)
     q = torch.randn(T, H, DIM, generator=g).to("cuda", torch.bfloat16)
     kv = torch.randn(S, DIM, generator=g).to("cuda", torch.bfloat16)
@@ -76,7 +76,7 @@ def test_attention_head_sum_and_index_scores_at(junk):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
     from dsa_ref.kernels.indexer_bwd import index_scores_at_tilelang
 
-    T, S, H, K, H_I = 131, 700, 64, 100, 64
+    T, S, H, K, H_I = 131, 4000, 64, 100, 64
     g = torch.Generator(device="cpu").manual_seed(9)
     q = torch.randn(T, H, DIM, generator=g).to("cuda", torch.bfloat16)
     kv = torch.randn(S, DIM, generator=g).to("cuda", torch.bfloat16)

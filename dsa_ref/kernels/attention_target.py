@@ -56,8 +56,8 @@ import torch
 
 from ..sparse_attention import check_head_sum_inputs
 from ._target import compile_target
-from .autograd import _block_counts
-from .sparse_mla_fwd import LOG2E, head_blocking
+from .autograd import _block_counts, with_zero_row
+from .sparse_mla_fwd import LOG2E, head_blocking, zero_row_or
 
 BLOCK_KEYS = 64  # slots per step: the M of one warpgroup's tensor-core instruction
 THREADS = 128  # one warpgroup: a row of the [keys, heads] accumulator lives in 4 of its threads
@@ -112,9 +112,10 @@ def head_sum_probs_kernel(heads: int, dim: int, sm_scale: float, num_stages: int
                 lse_s[h] = Lse2[t, h0 + h]
 
             for blk in T.Pipelined(NumBlocks[t], num_stages=num_stages, annotations=_UNROLL_EPILOGUE):
-                # gather; a -1 slot or a slot past the end of the row reads row 0, dropped below
+                # gather; a -1 slot reads the zero row at the end, a slot past the end of the row
+                # re-reads slot K - 1; both are dropped below
                 for i, d in T.Parallel(BLOCK_KEYS, dim):
-                    kv_s[i, d] = KV[T.max(Indices[t, T.min(blk * BLOCK_KEYS + i, topk - 1)], 0), d]
+                    kv_s[i, d] = KV[zero_row_or(Indices[t, T.min(blk * BLOCK_KEYS + i, topk - 1)], num_kv), d]
                 T.gemm(kv_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, h in T.Parallel(BLOCK_KEYS, hb):
                     acc[i, h] = T.exp2(acc[i, h] * scale2 - lse_s[h])
@@ -187,6 +188,6 @@ def attention_head_sum_tilelang(q, kv, indices, lse, *, sm_scale) -> torch.Tenso
     lse2 = lse2.to(torch.float32).contiguous()  # [T, H]
     kernel = head_sum_probs_kernel(H, D, sm_scale)
     idx = indices.to(torch.int32).contiguous()  # [T, K]
-    kernel(q.contiguous(), kv.contiguous(), idx, _block_counts(idx, BLOCK_KEYS), lse2, out)
+    kernel(q.contiguous(), with_zero_row(kv), idx, _block_counts(idx, BLOCK_KEYS), lse2, out)  # -1: zero row
     return out
 # --8<-- [end:attention_head_sum_tilelang]

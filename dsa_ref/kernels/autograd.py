@@ -46,6 +46,19 @@ def _blocks_through(K: int, block: int, device: torch.device) -> torch.Tensor:
 # --8<-- [end:block_counts]
 
 
+# --8<-- [start:with_zero_row]
+def with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    """``[S, D] -> [S + 1, D]`` contiguous: ``x`` and one row of zeros after it.
+
+    The kernels gather row ``S`` for a ``-1`` slot, so an unused slot multiplies zeros into every
+    product instead of whatever row 0 holds: garbage in rows no slot selects never reaches an
+    output, an LSE or a gradient (a masked probability times a NaN row would still be NaN). One
+    copy of ``x``, small beside the attention it feeds.
+    """
+    return torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).contiguous()
+# --8<-- [end:with_zero_row]
+
+
 def _base2_lse(lse: torch.Tensor) -> torch.Tensor:
     """The LSE as the backward kernel takes it: base 2, ``+inf`` for empty rows (``-inf`` LSE), so
     that every probability the kernel recomputes for such a row is ``exp2(s - inf) = 0``."""
@@ -81,7 +94,7 @@ class SparseMLAFunction(torch.autograd.Function):
     def forward(ctx, q, kv, indices, sm_scale, d_v, schedule):
         from . import sparse_mla_fwd as fwd
 
-        q, kv = q.contiguous(), kv.contiguous()
+        q, kv = q.contiguous(), with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         T, H, D = q.shape
         if schedule == "warp_specialized" and H % 64 == 0:
             step = 2 * fwd.BLOCK_I  # one 64-row block per stage, two stages per loop step
@@ -109,12 +122,12 @@ class SparseMLAFunction(torch.autograd.Function):
             # d lse / d s_j = p_j, so a gradient on lse folds into Delta: dS = P * (dP - (Delta - d_lse))
             delta = delta - d_lse.float()
         lse2 = _base2_lse(lse)  # [T, H]
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # [S + 1, D]; the zero row's is dropped
         # the forward padded the slots to a multiple of 64, hence of the backward's 32-row blocks
         kernel = bwd.backward_kernel(H, D, ctx.d_v, ctx.sm_scale)
         counts = _block_counts(idx, bwd.BLOCK_S)  # [T]
         dq = kernel(q, kv, d_out, idx, counts, lse2, delta.contiguous(), dkv)
-        return dq, dkv.to(kv.dtype), None, None, None, None
+        return dq, dkv[:-1].to(kv.dtype), None, None, None, None
 # --8<-- [end:sparse_mla_function]
 
 

@@ -60,7 +60,8 @@ from .._checks import check_same_device
 from ..indexer import _check_indexer_operands
 from ..sparse_attention import check_indices
 from ._target import compile_target
-from .autograd import _block_counts
+from .autograd import _block_counts, with_zero_row
+from .sparse_mla_fwd import zero_row_or
 
 BLOCK = 64  # selected slots per step
 
@@ -118,8 +119,9 @@ def selected_scores_kernel(heads: int, dim: int, relu: bool = True):
                     # slots past K read as -1 (the min keeps the load in bounds)
                     idx_s[i] = T.if_then_else(s0 + i < topk, Indices[t, T.min(s0 + i, topk - 1)], -1)
                 for i, d in T.Parallel(BLOCK, dim):
-                    # a -1 slot reads row 0 and a slot past K re-reads slot K - 1; both are masked below
-                    k_s[i, d] = K[T.max(Indices[t, T.min(s0 + i, topk - 1)], 0), d]
+                    # a -1 slot reads the zero row at the end and a slot past K re-reads slot K - 1;
+                    # both are masked below
+                    k_s[i, d] = K[zero_row_or(Indices[t, T.min(s0 + i, topk - 1)], num_kv), d]
                 T.gemm(k_s, q_s, logits, transpose_B=True, clear_accum=True)  # [slots, heads]
                 for i, h in T.Parallel(BLOCK, heads):
                     if relu:
@@ -191,8 +193,9 @@ def indexer_backward_kernel(heads: int, dim: int, relu: bool = True):
                 for i in T.Parallel(BLOCK):
                     ds_s[i] = T.if_then_else(idx_s[i] >= 0, dScores[t, T.min(s0 + i, topk - 1)], 0)
                 for i, d in T.Parallel(BLOCK, dim):
-                    # a -1 slot reads row 0 and a slot past K re-reads slot K - 1; their d_score is 0
-                    k_s[i, d] = K[T.max(Indices[t, T.min(s0 + i, topk - 1)], 0), d]
+                    # a -1 slot reads the zero row at the end and a slot past K re-reads slot K - 1;
+                    # their d_score is 0
+                    k_s[i, d] = K[zero_row_or(Indices[t, T.min(s0 + i, topk - 1)], num_kv), d]
                 T.gemm(k_s, q_s, logits, transpose_B=True, clear_accum=True)  # [slots, heads]
                 for i, h in T.Parallel(BLOCK, heads):
                     if relu:
@@ -270,8 +273,10 @@ class SelectedIndexScores(torch.autograd.Function):
         if T == 0 or S == 0:  # nothing to launch: every slot is -1 (check_indices) or there is no row
             scores = torch.full(idx.shape, float("-inf"), dtype=torch.float32, device=q.device)
         else:
+            k = with_zero_row(k)  # [S + 1, D]: -1 slots read the zero row
             scores = selected_scores_kernel(H, D, bool(relu))(q, k, w32, idx, n_blocks)  # [T, K] fp32
         ctx.save_for_backward(q, k, w32, idx, n_blocks)
+        ctx.num_keys = S
         ctx.relu = bool(relu)
         ctx.w_dtype = weights.dtype
         return scores
@@ -280,15 +285,15 @@ class SelectedIndexScores(torch.autograd.Function):
     def backward(ctx, d_scores):
         q, k, w32, idx, n_blocks = ctx.saved_tensors
         T, H, D = q.shape
-        S = k.shape[0]
-        dk = torch.zeros((S, D), dtype=torch.float32, device=k.device)  # atomics accumulate into it
+        S = ctx.num_keys
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # atomics accumulate into it
         if T == 0 or S == 0:
             dq, dw = torch.zeros_like(q), torch.zeros_like(w32)
         else:
             # -1 slots are ignored inside the kernel, whatever d_scores holds there (0 * inf never appears)
             kernel = indexer_backward_kernel(H, D, ctx.relu)
             dq, dw = kernel(q, k, w32, idx, n_blocks, d_scores.to(torch.float32).contiguous(), dk)
-        return dq, dk.to(k.dtype), dw.to(ctx.w_dtype), None, None
+        return dq, dk[:S].to(k.dtype), dw.to(ctx.w_dtype), None, None  # the zero row's dk is dropped
 # --8<-- [end:selected_index_scores]
 
 

@@ -26,7 +26,7 @@ import tilelang
 import tilelang.language as T
 
 from ._target import compile_target
-from .sparse_mla_fwd import LOG2E, head_blocking
+from .sparse_mla_fwd import LOG2E, head_blocking, zero_row_or
 
 BLOCK_S = 32  # selected rows per step
 SPLIT = 2  # the [32, 576] fp32 dKV tile is staged through shared memory in halves
@@ -139,12 +139,12 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
         for j in T.unroll(v_chunks):  # 8 bf16 of one row per copy, consecutive threads along the row
             c = tx + threads * j
             i, u = c // (dim_v // 8), c % (dim_v // 8)
-            row = T.max(Indices[t, blk * BLOCK_S + i], 0)
+            row = zero_row_or(Indices[t, blk * BLOCK_S + i], num_kv)  # -1: the zero row at the end
             T.ptx_cp_async(T.access_ptr(v_s[i, u * 8], "w", 8), T.access_ptr(KV[row, u * 8], "r", 8), 8)
         for j in T.unroll(tail_chunks):
             c = tx + threads * j
             i, u = c // (dim_tail // 8), c % (dim_tail // 8)
-            row = T.max(Indices[t, blk * BLOCK_S + i], 0)
+            row = zero_row_or(Indices[t, blk * BLOCK_S + i], num_kv)  # -1: the zero row at the end
             T.ptx_cp_async(T.access_ptr(tail_s[i, u * 8], "w", 8),
                            T.access_ptr(KV[row, dim_v + u * 8], "r", 8), 8)
         T.ptx_commit_group()
@@ -240,9 +240,9 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
                     T.sync_threads()
                 else:
                     for i, d in T.Parallel(BLOCK_S, dim_v):
-                        v_s[i, d] = KV[T.max(Indices[t, blk * BLOCK_S + i], 0), d]
+                        v_s[i, d] = KV[zero_row_or(Indices[t, blk * BLOCK_S + i], num_kv), d]
                     for i, d in T.Parallel(BLOCK_S, dim_tail):
-                        tail_s[i, d] = KV[T.max(Indices[t, blk * BLOCK_S + i], 0), dim_v + d]
+                        tail_s[i, d] = KV[zero_row_or(Indices[t, blk * BLOCK_S + i], num_kv), dim_v + d]
                 # recompute P from the saved LSE
                 for h, i in T.Parallel(hb, BLOCK_S):
                     acc_p[h, i] = T.if_then_else(valid[i], 0, -T.infinity(f32))

@@ -20,10 +20,13 @@ Two schedules of the same math:
   asynchronous copies while *consumer 0* computes QK, the softmax and the left half of PV and
   *consumer 1* the right half of PV, synchronised by barriers (the schedule FlashMLA uses).
 
-Conventions at this boundary: indices int32, ``-1`` = unused slot (masked, never read), natural-log
-LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. No gather reads outside ``KV``
-for an index out of range (the wrapper raises for it after the launch): the simple kernel clamps
-the row into ``[0, S)``, the warp-specialised one's copies are guarded by TileLang. ``K`` must be
+Conventions at this boundary: indices int32, ``-1`` = unused slot, natural-log LSE, rows with no
+valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds one extra row of zeros at its end
+(the wrapper appends it, `dsa_ref.kernels.autograd.with_zero_row`): a ``-1`` slot reads that row,
+so whatever the other rows hold, an unused slot adds exact zeros to every product (a masked
+probability times a NaN row would be NaN). No gather reads outside ``KV`` for an index out of
+range (the wrapper raises for it after the launch): the simple kernel clamps the row into
+``[0, S]``, the warp-specialised one's copies are guarded by TileLang. ``K`` must be
 a multiple of 64 (the wrapper pads with ``-1``). ``K`` is not a compile-time constant: one
 compiled kernel serves every top-k. Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the
 ``-1`` padding of short windows (early queries of a causal sequence) costs nothing.
@@ -36,6 +39,12 @@ import tilelang
 
 from ._target import compile_target
 import tilelang.language as T
+
+
+def zero_row_or(row, num_rows):
+    """The row a slot gathers: ``row`` (clamped into the buffer) for a valid slot, and for a ``-1``
+    slot the last row, which the wrapper fills with zeros (`dsa_ref.kernels.autograd.with_zero_row`)."""
+    return T.if_then_else(row >= 0, T.min(row, num_rows - 1), num_rows - 1)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -110,12 +119,12 @@ def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
                                    annotations={"pragma_unroll_explicit": True}):
                 for i in T.Parallel(BLOCK_I):
                     valid[i] = Indices[t, blk * BLOCK_I + i] >= 0
-                # gather the selected rows; a -1 slot reads row 0 instead and is masked below, and
-                # the clamp to S - 1 keeps an out-of-range index (which the wrapper then reports) inside kv
+                # gather the selected rows; a -1 slot reads the zero row at the end, and the clamp
+                # keeps an out-of-range index (which the wrapper then reports) inside kv
                 for i, d in T.Parallel(BLOCK_I, dim_v):
-                    v_s[i, d] = KV[T.min(T.max(Indices[t, blk * BLOCK_I + i], 0), num_kv - 1), d]
+                    v_s[i, d] = KV[zero_row_or(Indices[t, blk * BLOCK_I + i], num_kv), d]
                 for i, d in T.Parallel(BLOCK_I, dim_tail):
-                    tail_s[i, d] = KV[T.min(T.max(Indices[t, blk * BLOCK_I + i], 0), num_kv - 1), dim_v + d]
+                    tail_s[i, d] = KV[zero_row_or(Indices[t, blk * BLOCK_I + i], num_kv), dim_v + d]
                 for h, i in T.Parallel(hb, BLOCK_I):
                     acc_s[h, i] = T.if_then_else(valid[i], 0, -T.infinity(f32))
                 T.gemm(q_s[:, :dim_v], v_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -293,7 +302,7 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                             slot = r * 16 + p // 8
                             row = Indices[t, (it * 2 + stage) * BLOCK_I + slot]
                             valid_s[stage, slot] = row >= 0
-                            row = T.max(row, 0)  # a -1 slot copies row 0 (finite) and is masked
+                            row = zero_row_or(row, num_kv)  # a -1 slot copies the zero row and is masked
                             # (TileLang guards this copy with 0 <= row < S: an out-of-range index,
                             # which the wrapper reports after the launch, reads zeros, not past kv)
                             for u in T.serial(chunks_per_row):
