@@ -55,7 +55,7 @@ from ._checks import check_positive_int, check_same_device, check_scale, check_w
 from .attention import DEFAULT_CHUNK_ELEMENTS
 from .indexer import _check_indexer_operands, lightning_indexer
 from .indexer_loss import _REDUCTIONS, _reduce, indexer_loss_on_slots
-from .slot_path import SlotOps, window_indices
+from .slot_path import SlotOps, check_row_mask, window_indices
 from .streaming import DEFAULT_KEY_TILE, KERNEL_SCORE_ELEMENTS, chunk_key_ranges, row_chunks, shift_windows
 
 __all__ = ["streamed_indexer_loss", "block_plan", "readable_block", "slot_block", "tile_slots",
@@ -268,10 +268,8 @@ def streamed_indexer_loss(q_i: torch.Tensor, k_i: torch.Tensor, w_i: torch.Tenso
         ends = torch.full((T,), S, dtype=torch.int64, device=q_i.device)
     else:
         starts, ends = windows
+    check_row_mask(row_mask, T)
     if row_mask is not None:
-        if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool or row_mask.shape != (T,):
-            raise ValueError(f"row_mask must be a bool tensor of shape [{T}], got "
-                             f"{getattr(row_mask, 'dtype', type(row_mask))} {tuple(getattr(row_mask, 'shape', ()))}")
         ends = torch.where(row_mask, ends, starts)  # a masked row has an empty window: no key, no loss
     if ops is None:
         block = readable_block
@@ -280,7 +278,8 @@ def streamed_indexer_loss(q_i: torch.Tensor, k_i: torch.Tensor, w_i: torch.Tenso
     else:
         block = slot_block(ops)
         query_chunk = query_chunk or max(T, 1)
-        key_tile = key_tile or max(64, KERNEL_SCORE_ELEMENTS // max(T, 1) // 64 * 64)
+        key_tile = key_tile or max(1, KERNEL_SCORE_ELEMENTS // max(T, 1))
+        key_tile = key_tile // 64 * 64 if key_tile >= 64 else key_tile  # whole 64-slot blocks of the kernels
     query_chunk = check_positive_int("query_chunk", query_chunk)
     key_tile = check_positive_int("key_tile", key_tile)
 
