@@ -112,3 +112,31 @@ def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i):
         _said.add("slot_ops" + reason)
         _log.debug("dsa_ref: DSAttention takes the readable path: %s", reason)
     return None
+
+
+def select_rows(backend: str, *, q_i, k_i, w_i):
+    """The kernels' chunk selector for `dsa_ref.streaming.streamed_topk_indices`, or ``None``.
+
+    ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means the
+    readable key-tiled selector; ``backend="tilelang"`` raises instead when the kernels cannot run.
+    """
+    check_backend(backend)
+    if backend == "reference":
+        return None
+    if q_i.device.type != "cuda":
+        ok, reason = False, f"inputs are on {q_i.device}, not CUDA"
+    else:
+        ok, reason = kernels_available()
+    if ok:
+        from . import kernels
+
+        select = kernels.select_rows(q_i, k_i, w_i)
+        if select is not None:
+            return select
+        reason = "the indexer kernel declined these shapes"
+    if backend == "tilelang":
+        raise RuntimeError(f"backend='tilelang' was asked for the top-k selection, but {reason}")
+    if "select_rows" + reason not in _said:
+        _said.add("select_rows" + reason)
+        _log.debug("dsa_ref: the top-k selection takes the readable path: %s", reason)
+    return None

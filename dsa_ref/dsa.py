@@ -25,6 +25,7 @@ So ``lm_loss.backward()`` trains the indexer too, and ``loss_scale`` is where mi
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -34,11 +35,13 @@ from . import dispatch
 from .absorbed_mla import AbsorbedMLA
 from .attention import dense_mla_attention
 from .config import DSAConfig
-from .indexer import LightningIndexer
-from .indexer_loss import indexer_loss
+from .indexer import LightningIndexer, index_scores_at
 from .layout import key_windows, positions
 from .mla import MLA, check_tokens, tokens_cu_seqlens
-from .slot_path import attention_and_loss_on_slots
+from .slot_path import SlotOps, attention_and_loss_on_slots
+from .sparse_attention import attention_head_sum
+from .streaming import streamed_topk_indices
+from .streaming_loss import streamed_indexer_loss, windowed_attention_on_slots
 
 __all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "set_indexer_loss_scale"]
 
@@ -170,36 +173,35 @@ class DSAttention(nn.Module):
         # 2. indexer on detached inputs: it learns from its KL loss only
         q_i, k_i_local, w_i = self.indexer.project(x.detach(), p.qr.detach(), pos)
         k_i = gather(k_i_local)  # [S, D_I]
-        scores = dispatch.lightning_indexer(q_i, k_i, w_i, starts=starts, ends=ends,
-                                            relu=cfg.indexer.use_relu, backend=self.backend)  # [T_q, S]
 
-        # 3. top-k selection (no gradient)
-        topk = dispatch.topk_indices(scores.detach(), cfg.indexer.topk, backend=self.backend)  # [T_q, topk]
+        # 3. top-k selection (no gradient), streamed: the [T_q, S] index scores never exist (chapter 7)
+        select = dispatch.select_rows(self.backend, q_i=q_i, k_i=k_i, w_i=w_i)
+        topk = streamed_topk_indices(q_i.detach(), k_i.detach(), w_i.detach(), cfg.indexer.topk, starts=starts,
+                                     ends=ends, relu=cfg.indexer.use_relu, select_rows=select)  # [T_q, topk]
 
-        # 4-5 with kernels: the same math on [T, K] slot tensors (chapter 5, `dsa_ref.slot_path`)
+        # 4-5. main attention and the indexer KL loss against it (detached); kernels where they run
         ops = dispatch.slot_ops(self.backend, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i)
-        if ops is not None:
+        loss_args = dict(reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
+                         head_sum_reduce=head_sum_reduce)
+        if stage == "sparse":  # attention over the selection; the loss on its [T_q, K] slots (`slot_path`)
+            readable = SlotOps(sparse_mla=functools.partial(dispatch.sparse_mla, backend=self.backend),
+                               attention_head_sum=attention_head_sum, index_scores_at=index_scores_at)
             o_latent, loss = attention_and_loss_on_slots(
-                q, kv, q_i, k_i, w_i, topk, stage=stage, sm_scale=self.mla.softmax_scale,
-                d_v=cfg.mla.kv_lora_rank, relu=cfg.indexer.use_relu, starts=starts, ends=ends,
-                reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
-                head_sum_reduce=head_sum_reduce, row_mask=loss_row_mask, ops=ops)
+                q, kv, q_i, k_i, w_i, topk, stage=stage, sm_scale=self.mla.softmax_scale, d_v=cfg.mla.kv_lora_rank,
+                relu=cfg.indexer.use_relu, starts=starts, ends=ends, row_mask=loss_row_mask,
+                ops=readable if ops is None else ops, **loss_args)
             return self._finish(o_latent, loss, topk)
 
-        # 4. main attention over the window (warm-up) or over the selection (sparse)
-        if stage == "dense_warmup":
-            o_latent, _ = dense_mla_attention(q, kv, sm_scale=self.mla.softmax_scale,
-                                              d_v=cfg.mla.kv_lora_rank, starts=starts, ends=ends)  # [T_q, H, r]
+        # dense warm-up: attention over the window; the loss streamed over key tiles (`streaming_loss`)
+        if ops is None:
+            o_latent, lse = dense_mla_attention(q, kv, sm_scale=self.mla.softmax_scale, d_v=cfg.mla.kv_lora_rank,
+                                                starts=starts, ends=ends)  # [T_q, H, r], [T_q, H]
         else:
-            o_latent, _ = dispatch.sparse_mla(q, kv, topk, sm_scale=self.mla.softmax_scale,
-                                              d_v=cfg.mla.kv_lora_rank, backend=self.backend)  # [T_q, H, r]
-
-        # 5. indexer KL loss against the detached main attention
-        loss = indexer_loss(scores, q.detach(), kv.detach(), sm_scale=self.mla.softmax_scale,
-                            starts=starts, ends=ends, topk_indices=None if stage == "dense_warmup" else topk,
-                            reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
-                            head_sum_reduce=head_sum_reduce, row_mask=loss_row_mask)
-
+            o_latent, lse = windowed_attention_on_slots(q, kv, sm_scale=self.mla.softmax_scale,
+                                                        d_v=cfg.mla.kv_lora_rank, starts=starts, ends=ends, ops=ops)
+        loss = streamed_indexer_loss(q_i, k_i, w_i, q.detach(), kv.detach(), lse.detach(),
+                                     sm_scale=self.mla.softmax_scale, relu=cfg.indexer.use_relu, starts=starts,
+                                     ends=ends, row_mask=loss_row_mask, ops=ops, **loss_args)
         return self._finish(o_latent, loss, topk)
     # --8<-- [end:attend]
 

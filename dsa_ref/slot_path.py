@@ -71,6 +71,14 @@ def window_indices(starts: torch.Tensor, ends: torch.Tensor, *, multiple: int = 
 # --8<-- [end:window_indices]
 
 
+def check_row_mask(row_mask: torch.Tensor | None, num_rows: int) -> None:
+    """Raise ValueError unless ``row_mask`` is ``None`` or a bool tensor of shape ``[num_rows]``."""
+    if row_mask is not None and (not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool
+                                 or row_mask.shape != (num_rows,)):
+        raise ValueError(f"row_mask must be a bool tensor of shape [{num_rows}], got "
+                         f"{getattr(row_mask, 'dtype', type(row_mask))} {tuple(getattr(row_mask, 'shape', ()))}")
+
+
 # --8<-- [start:attention_and_loss_on_slots]
 def attention_and_loss_on_slots(q: torch.Tensor, kv: torch.Tensor, q_i: torch.Tensor, k_i: torch.Tensor,
                                 w_i: torch.Tensor, topk: torch.Tensor, *, stage: str, sm_scale: float, d_v: int,
@@ -91,6 +99,7 @@ def attention_and_loss_on_slots(q: torch.Tensor, kv: torch.Tensor, q_i: torch.Te
         reduction, coeff, num_rows, head_sum_reduce, row_mask: as in `indexer_loss`.
         ops: which implementation runs each per-slot step (`REFERENCE_OPS` or the kernels').
     """
+    check_row_mask(row_mask, q.shape[0])
     slots = topk if stage == "sparse" else window_indices(starts, ends, multiple=128)  # [T, K]
     o_latent, lse = ops.sparse_mla(q, kv, slots, sm_scale=sm_scale, d_v=d_v)  # [T, H, d_v], [T, H]
 
