@@ -114,7 +114,7 @@ def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i):
     return None
 
 
-def select_rows(backend: str, *, q_i, k_i, w_i):
+def chunk_selector(backend: str, *, q_i, k_i, w_i):
     """The kernels' chunk selector for `dsa_ref.streaming.streamed_topk_indices`, or ``None``.
 
     ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means the
@@ -130,13 +130,13 @@ def select_rows(backend: str, *, q_i, k_i, w_i):
     if ok:
         from . import kernels
 
-        select = kernels.select_rows(q_i, k_i, w_i)
+        select = kernels.chunk_selector(q_i, k_i, w_i)
         if select is not None:
             return select
         reason = "the indexer kernel declined these shapes"
     if backend == "tilelang":
         raise RuntimeError(f"backend='tilelang' was asked for the top-k selection, but {reason}")
-    if "select_rows" + reason not in _said:
-        _said.add("select_rows" + reason)
+    if "chunk_selector" + reason not in _said:
+        _said.add("chunk_selector" + reason)
         _log.debug("dsa_ref: the top-k selection takes the readable path: %s", reason)
     return None

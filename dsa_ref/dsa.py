@@ -175,9 +175,9 @@ class DSAttention(nn.Module):
         k_i = gather(k_i_local)  # [S, D_I]
 
         # 3. top-k selection (no gradient), streamed: the [T_q, S] index scores never exist (chapter 7)
-        select = dispatch.select_rows(self.backend, q_i=q_i, k_i=k_i, w_i=w_i)
+        select = dispatch.chunk_selector(self.backend, q_i=q_i, k_i=k_i, w_i=w_i)
         topk = streamed_topk_indices(q_i.detach(), k_i.detach(), w_i.detach(), cfg.indexer.topk, starts=starts,
-                                     ends=ends, relu=cfg.indexer.use_relu, select_rows=select)  # [T_q, topk]
+                                     ends=ends, relu=cfg.indexer.use_relu, chunk_selector=select)  # [T_q, topk]
 
         # 4-5. main attention and the indexer KL loss against it (detached); kernels where they run
         ops = dispatch.slot_ops(self.backend, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i)

@@ -24,10 +24,10 @@ The result equals ``topk_indices(lightning_indexer(...))`` exactly, index for in
 tile's scores are computed by `lightning_indexer` itself on the tile's keys. Memory:
 ``O(T k + C (k + tile) + C H_I tile)``.
 
-**The fast path** (`dsa_ref.kernels.select_rows`) shares the query chunking and the key range
+**The fast path** (`dsa_ref.kernels.chunk_selector`) shares the query chunking and the key range
 of each chunk and replaces the per-chunk work with two kernels: the TileLang indexer writes the
 chunk's ``[C, hi - lo]`` scores and the radix-select kernel reduces them to ``[C, k]``. The driver
-below is the same for both (`streamed_topk_indices` with ``select_rows``); the tests run it on the
+below is the same for both (`streamed_topk_indices` with ``chunk_selector``); the tests run it on the
 CPU with the readable functions in the kernels' place.
 """
 
@@ -146,7 +146,7 @@ def tiled_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: 
 def streamed_topk_indices(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
                           starts: torch.Tensor | None = None, ends: torch.Tensor | None = None,
                           relu: bool = True, query_chunk: int | None = None, key_tile: int | None = None,
-                          select_rows: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                          chunk_selector: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """``topk_indices(lightning_indexer(q, k, weights, ...), topk)`` without the ``[T, S]`` scores.
 
     Args:
@@ -156,11 +156,11 @@ def streamed_topk_indices(q: torch.Tensor, k: torch.Tensor, weights: torch.Tenso
         relu: the indexer's ReLU.
         query_chunk: rows per chunk; default: as many as keep the chunk's work at about
             ``2**26`` elements (readable selector) or its ``[C, S]`` scores at `KERNEL_SCORE_ELEMENTS`
-            (a given ``select_rows``).
+            (a given ``chunk_selector``).
         key_tile: keys per tile of the readable selector (default `DEFAULT_KEY_TILE`).
-        select_rows: ``select_rows(q_c, k_range, w_c, topk, starts=, ends=, relu=) -> [C, topk]``, the
+        chunk_selector: ``chunk_selector(q_c, k_range, w_c, topk, starts=, ends=, relu=) -> [C, topk]``, the
             top-k of a chunk of rows over a range of keys (indices in the range's own index space);
-            default the readable `tiled_select`. `dsa_ref.kernels.select_rows` gives the kernels'.
+            default the readable `tiled_select`. `dsa_ref.kernels.chunk_selector` gives the kernels'.
 
     Returns:
         int64 ``[T, topk]``: highest score first, ties to the lower key index, ``-1`` padding at the end.
@@ -176,9 +176,9 @@ def streamed_topk_indices(q: torch.Tensor, k: torch.Tensor, weights: torch.Tenso
         ends = torch.full((T,), S, dtype=torch.int64, device=q.device)
     else:
         starts, ends = windows
-    if select_rows is None:
+    if chunk_selector is None:
         key_tile = DEFAULT_KEY_TILE if key_tile is None else check_positive_int("key_tile", key_tile)
-        select_rows = lambda *a, **kw: tiled_select(*a, **kw, key_tile=key_tile)  # noqa: E731
+        chunk_selector = lambda *a, **kw: tiled_select(*a, **kw, key_tile=key_tile)  # noqa: E731
         per_row = H * min(key_tile, max(S, 1))  # the [C, H_I, tile] logits of one tile
         chunk = query_chunk or max(1, DEFAULT_CHUNK_ELEMENTS // per_row)
     else:
@@ -192,7 +192,7 @@ def streamed_topk_indices(q: torch.Tensor, k: torch.Tensor, weights: torch.Tenso
             continue  # every window of the chunk is empty: all -1
         # only keys [lo, hi) can be selected; index them from lo, then shift back
         range_starts, range_ends = shift_windows(starts[a:b], ends[a:b], lo, hi)  # [C] each
-        local = select_rows(q[a:b], k[lo:hi], weights[a:b], topk, starts=range_starts, ends=range_ends,
+        local = chunk_selector(q[a:b], k[lo:hi], weights[a:b], topk, starts=range_starts, ends=range_ends,
                             relu=relu)  # [C, topk]
         out[a:b] = torch.where(local >= 0, local + lo, local)
     return out

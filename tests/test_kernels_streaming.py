@@ -1,6 +1,6 @@
 """The streamed selection and the streamed dense-stage loss on the kernels (skipped without CUDA + tilelang).
 
-* selection: `streamed_topk_indices` with `dsa_ref.kernels.select_rows` (indexer kernel + radix
+* selection: `streamed_topk_indices` with `dsa_ref.kernels.chunk_selector` (indexer kernel + radix
   top-k per query chunk, keys limited to the chunk's range) equals the kernels on the whole
   ``[T, S]`` scores exactly, and on small-integer inputs (exact scores, ties everywhere) equals
   the readable ``topk_indices(lightning_indexer(...))`` exactly -- ties across chunk and range
@@ -50,7 +50,7 @@ def _indexer(T, S, *, H=64, D=128, seed=0, integer=False):
 @pytest.mark.parametrize("kind", ["packed", "cp"])
 @pytest.mark.parametrize("query_chunk", [None, 1, 100, 512])
 def test_kernel_selection_equals_whole_row_kernels(kind, query_chunk):
-    from dsa_ref.kernels import select_rows
+    from dsa_ref.kernels import chunk_selector
     from dsa_ref.kernels.autograd import lightning_indexer_tilelang
     from dsa_ref.kernels.topk import topk_indices_tilelang
 
@@ -59,24 +59,24 @@ def test_kernel_selection_equals_whole_row_kernels(kind, query_chunk):
     q, k, w = _indexer(starts.numel(), S)
     want = topk_indices_tilelang(lightning_indexer_tilelang(q, k, w, starts=starts, ends=ends), 128)
     got = streamed_topk_indices(q, k, w, 128, starts=starts, ends=ends, query_chunk=query_chunk,
-                                select_rows=select_rows(q, k, w))
+                                chunk_selector=chunk_selector(q, k, w))
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["packed", "cp"])
 @pytest.mark.parametrize("topk", [128, 2048])  # 2048: more than many windows hold (-1 padding)
 def test_kernel_selection_ties_equal_the_readable_selection(kind, topk):
-    from dsa_ref.kernels import select_rows
+    from dsa_ref.kernels import chunk_selector
 
     starts, ends, S = _windows(kind)
     starts, ends = starts.to(CUDA), ends.to(CUDA)
     q, k, w = _indexer(starts.numel(), S, integer=True)
     want = topk_indices(lightning_indexer(q.double(), k.double(), w.double(), starts=starts, ends=ends), topk)
     got = streamed_topk_indices(q, k, w, topk, starts=starts, ends=ends, query_chunk=77,
-                                select_rows=select_rows(q, k, w))
+                                chunk_selector=chunk_selector(q, k, w))
     assert torch.equal(got, want)
     empty = torch.zeros_like(starts)
-    none = streamed_topk_indices(q, k, w, 16, starts=empty, ends=empty, select_rows=select_rows(q, k, w))
+    none = streamed_topk_indices(q, k, w, 16, starts=empty, ends=empty, chunk_selector=chunk_selector(q, k, w))
     assert (none == -1).all()
 
 

@@ -96,7 +96,7 @@ def test_streamed_selection_equals_topk_of_the_indexer(kind, query_chunk, key_ti
     assert torch.equal(got, want)
     # the kernels' structure (one chunk's scores at once, keys limited to the chunk's range)
     got = streamed_topk_indices(q, k, w, 6, starts=starts, ends=ends, query_chunk=query_chunk,
-                                select_rows=_untiled_select)
+                                chunk_selector=_untiled_select)
     assert torch.equal(got, want)
 
 
@@ -292,7 +292,7 @@ def test_layer_equals_the_layer_with_index_scores(stage, path, monkeypatch):
     monkeypatch.setattr(streaming_loss, "KERNEL_SCORE_ELEMENTS", 64)
     if path == "slots":  # the kernel path's structure, on the readable ops
         monkeypatch.setattr(dispatch, "slot_ops", lambda backend, **_: REFERENCE_OPS)
-        monkeypatch.setattr(dispatch, "select_rows", lambda backend, **_: _untiled_select)
+        monkeypatch.setattr(dispatch, "chunk_selector", lambda backend, **_: _untiled_select)
     torch.manual_seed(0)
     layer = DSAttention(tiny().with_topk(6), stage=stage, dtype=F64)
     cu = torch.tensor([0, 1, 9, 30, 40])

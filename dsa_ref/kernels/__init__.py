@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-__all__ = ["available", "sparse_mla", "lightning_indexer", "topk_indices", "slot_ops", "select_rows"]
+__all__ = ["available", "sparse_mla", "lightning_indexer", "topk_indices", "slot_ops", "chunk_selector"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,16 +81,16 @@ def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
 # --8<-- [end:decline]
 
 
-# --8<-- [start:select_rows]
-def select_rows(q, k, weights):
+# --8<-- [start:chunk_selector]
+def chunk_selector(q, k, weights):
     """The per-chunk selector of `dsa_ref.streaming.streamed_topk_indices` on the kernels, or ``None``.
 
     For a chunk of queries and a range of keys: the TileLang indexer writes the chunk's
     ``[C, n]`` scores and the radix-select kernel keeps the top-k of each row, in the reference
     order. ``None`` when the indexer kernel declines these operands.
     """
+    from ..indexer import topk_indices as reference_topk
     from .autograd import indexer_supported, lightning_indexer_tilelang
-    from .topk import topk_indices_tilelang
 
     if indexer_supported(q, k, weights) is not None:
         return None
@@ -98,7 +98,8 @@ def select_rows(q, k, weights):
     def select(q_c, k_c, w_c, topk, *, starts, ends, relu):
         with torch.no_grad():
             scores = lightning_indexer_tilelang(q_c, k_c, w_c, starts=starts, ends=ends, relu=relu)  # [C, n]
-            return topk_indices_tilelang(scores, topk)  # [C, topk]
+            picked = topk_indices(scores, topk)  # [C, topk], the radix-select kernel
+            return reference_topk(scores, topk) if picked is None else picked  # a declined shape
 
     return select
-# --8<-- [end:select_rows]
+# --8<-- [end:chunk_selector]
