@@ -502,9 +502,9 @@ def load_attention_layer(path: str | os.PathLike, layer: int, *, device=None, dt
             found and the shape the config implies are named).
     """
     ckpt = Checkpoint(path)
-    cfg = config_from_hf(ckpt.config)
+    cfg = config_from_hf(ckpt._config_file)
     _check_layer(layer, ckpt.num_layers, ckpt._config_file)
-    owns = indexer_layers(ckpt.config)[layer]
+    owns = indexer_layers(ckpt._config_file)[layer]
     names = layer_tensor_names(layer, has_indexer=owns)
     tensors, stored = _materialise(ckpt, list(names), progress=progress)
 
