@@ -54,6 +54,7 @@ __all__ = [
     "load_attention_layer",
     "load_input_norm",
     "embed_tokens",
+    "inspect_layer",
 ]
 
 #: The ``model_type`` values `config_from_hf` understands.
@@ -595,3 +596,63 @@ def embed_tokens(path: str | os.PathLike, token_ids: torch.Tensor, *, device=Non
         rows = rows.to(torch.float32) * row_scale.repeat_interleave(b1, dim=1)[:, : rows.shape[1]]
         dtype = dtype or torch.bfloat16
     return rows.to(device=device, dtype=dtype or rows.dtype)
+
+
+# ------------------------------------------------------------------------------------ inspect
+
+
+def inspect_layer(path: str | os.PathLike, layer: int = 0, *, tokens: int = 8, dtype: torch.dtype | None = None,
+                  forward: bool = True, progress: bool = True) -> str:
+    """A text report of what a checkpoint holds for one layer (``dsa-ref inspect``).
+
+    Lists the layer's attention tensors (checkpoint key, dsa_ref name, shape, dtype, from the shard
+    headers), the derived `DSAConfig`, and -- with ``forward`` -- runs token ids ``0 .. tokens-1``
+    through the embedding, the input norm and the layer (a shared GLM-5 layer takes the top-k of its
+    source layer, which is loaded and run first) and reports the output and the selection.
+    """
+    from dataclasses import asdict
+
+    ckpt = Checkpoint(path)
+    cfg = config_from_hf(ckpt._config_file)
+    _check_layer(layer, ckpt.num_layers, ckpt._config_file)
+    owns = indexer_layers(ckpt._config_file)
+    names = layer_tensor_names(layer, has_indexer=owns[layer])
+    keys = list(names) + [n + _SCALE_SUFFIX for n in names if n + _SCALE_SUFFIX in ckpt.weight_map]
+    lines = [f"checkpoint {ckpt.path}: model_type {ckpt.config.get('model_type')}, {ckpt.num_layers} layers, "
+             f"{len(set(ckpt.weight_map.values()))} shard(s), {sum(owns)} layers own an indexer",
+             f"layer {layer}: " + ("owns an indexer" if owns[layer] else
+                                   f"shares the top-k of layer {topk_source_layer(ckpt._config_file, layer)}"),
+             "", "tensors:"]
+    infos = {i.name: i for i in ckpt.info(keys)}
+    width = max(len(k) for k in keys)
+    for key in keys:
+        i = infos[key]
+        ours = names.get(key, "(fp8 block scales)")
+        lines.append(f"  {key.ljust(width)}  {ours:<28} {str(list(i.shape)):<14} {i.dtype:<8} {i.file}")
+    lines += ["", "derived DSAConfig:"]
+    for part, values in asdict(cfg).items():
+        lines.append(f"  {part}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    lines.append(f"  softmax_scale={cfg.mla.softmax_scale:.6g} (mscale {cfg.mla.mscale:.6g}), "
+                 f"input norm eps={ckpt.config.get('rms_norm_eps', 1e-6)}")
+    if not forward:
+        return "\n".join(lines)
+
+    ids = torch.arange(tokens) % int(ckpt.config.get("vocab_size", tokens))
+    x = embed_tokens(path, ids, dtype=dtype)
+    x = load_input_norm(path, layer, dtype=x.dtype)(x)  # [T, dim]
+    shared = {}
+    if not owns[layer]:  # run the source layer on the same normalised input to get its selection
+        source = load_attention_layer(path, topk_source_layer(ckpt._config_file, layer), dtype=x.dtype,
+                                      progress=progress)
+        with torch.no_grad():
+            shared["topk_indices"] = source(x).topk_indices
+    module = load_attention_layer(path, layer, dtype=x.dtype, progress=progress)
+    with torch.no_grad():
+        out = module(x, **shared)
+    o = out.output.float()
+    lines += ["", f"forward on token ids 0..{tokens - 1} ({x.dtype}, embedding -> input norm -> layer {layer}):",
+              f"  output {list(out.output.shape)}, rms {o.pow(2).mean().sqrt().item():.4g}, "
+              f"finite {bool(torch.isfinite(o).all())}",
+              f"  indexer loss {out.indexer_loss.item():.4g}" + ("" if owns[layer] else " (no indexer in this layer)"),
+              f"  last token selects keys {[i for i in out.topk_indices[-1].tolist() if i >= 0]}"]
+    return "\n".join(lines)

@@ -219,3 +219,15 @@ def test_state_dict_holds_each_weight_once_and_round_trips():
     assert d.absorbed.mla is d.mla and d.absorbed.mla.wq_a.weight.dtype == torch.float32
     shared = DSAttention(tiny(), has_indexer=False)
     assert not any(k.startswith("indexer.") for k in shared.state_dict())
+
+
+def test_cli_inspect(fp8_dir, capsys):
+    from dsa_ref.cli import main
+
+    path, _ = fp8_dir
+    assert main(["inspect", path, "--layer", "1", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in out and "F8_E4M3" in out and "mla.wkv_b.weight" in out
+    assert "derived DSAConfig" in out and "output [6, 160]" in out and "finite True" in out
+    assert main(["inspect", path, "--layer", "7", "--no-forward"]) == 2
+    assert "num_hidden_layers=2" in capsys.readouterr().err
