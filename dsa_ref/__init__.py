@@ -12,9 +12,10 @@ The modules: `MLA`, `AbsorbedMLA`, `LightningIndexer`, `DSAttention`.
 For kernel authors: `dsa_ref.oracle` (adapters for the common kernel conventions, `check_sparse_mla`
 and friends), `dsa_ref.compare` (reports and tolerances), `dsa_ref.adversarial` (hard inputs),
 `dsa_ref.fp8` (DeepSeek's fp8 indexer quantisation, simulated); ``dsa-ref verify`` on the command line.
+Real checkpoints: `dsa_ref.checkpoints` (one layer of DeepSeek-V3.2 / GLM-5 from Hugging Face files).
 """
 
-from . import adversarial, fp8, oracle
+from . import adversarial, checkpoints, fp8, oracle
 from .absorbed_mla import AbsorbedMLA
 from .attention import dense_mla_attention
 from .compare import TOLERANCES, Tolerance, attention_mass_recall, compare, compare_topk
@@ -52,6 +53,7 @@ __all__ = [
     "TOLERANCES",
     "Tolerance",
     "adversarial",
+    "checkpoints",
     "attention_mass_recall",
     "check_indexer",
     "check_sparse_mla",

@@ -5,6 +5,7 @@
     dsa-ref verify --json       # one JSON object on stdout instead of the table
     dsa-ref verify --only loss  # the checks whose name contains "loss"
     python -m dsa_ref verify    # the same without the console script
+    dsa-ref inspect PATH --layer 0   # one attention layer of a local DeepSeek-V3.2 / GLM-5 checkpoint
 
 A progress bar goes to stderr, the table (check, shapes, dtype, max error, tolerance, result, time)
 to stdout. The exit code is 0 when every check passes, 1 when one fails, 2 for a usage error (for
@@ -734,7 +735,33 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     v.add_argument("--inject-failure", action="store_true", help=argparse.SUPPRESS)  # for tests of the exit code
     v.set_defaults(func=_verify)
+    i = sub.add_parser("inspect", help="what a local DeepSeek-V3.2 / GLM-5 checkpoint holds for one attention "
+                                       "layer, and a forward of that layer on a few tokens")
+    i.add_argument("path", help="checkpoint directory (config.json, model.safetensors.index.json and shards)")
+    i.add_argument("--layer", type=int, default=0, help="layer index (default 0)")
+    i.add_argument("--tokens", type=int, default=8, help="token ids 0..N-1 for the forward (default 8)")
+    i.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="compute dtype (default: the checkpoint's, bfloat16 for fp8 weights)")
+    i.add_argument("--no-forward", action="store_true", help="only list the tensors and the derived config")
+    i.set_defaults(func=_inspect)
     return parser
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """``dsa-ref inspect PATH [--layer N]``: print `dsa_ref.checkpoints.inspect_layer`'s report."""
+    from .checkpoints import inspect_layer
+
+    try:
+        report = inspect_layer(args.path, args.layer, tokens=args.tokens, dtype=_DTYPES.get(args.dtype),
+                               forward=not args.no_forward)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"dsa-ref inspect: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

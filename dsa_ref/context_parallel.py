@@ -142,7 +142,8 @@ def check_same_cu_seqlens(cu_seqlens: torch.Tensor, group: dist.ProcessGroup | N
 def cp_dsa_forward(layer: DSAttention, x_local: torch.Tensor, cu_seqlens: torch.Tensor, *,
                    group: dist.ProcessGroup | None = None, cp_size: int | None = None,
                    stage: str | None = None, check_inputs: bool = True,
-                   loss_row_mask: torch.Tensor | None = None) -> DSAOutput:
+                   loss_row_mask: torch.Tensor | None = None,
+                   topk_indices: torch.Tensor | None = None) -> DSAOutput:
     """Run a `DSAttention` layer under allgather context parallelism.
 
     Args:
@@ -156,6 +157,8 @@ def cp_dsa_forward(layer: DSAttention, x_local: torch.Tensor, cu_seqlens: torch.
         check_inputs: verify that all ranks pass the same ``cu_seqlens`` (one small all-reduce).
         loss_row_mask: optional bool ``[T / cp]`` for this rank's tokens (e.g. ``shard_tokens`` of a
             global mask); ``False`` rows (padding) are left out of the indexer loss and its global mean.
+        topk_indices: for a layer without an indexer (index sharing): ``[T / cp, K]`` the
+            ``topk_indices`` an earlier layer returned on this rank (global key indices).
 
     Returns:
         `DSAOutput` for this rank's tokens: ``output [T / cp, dim]``, this rank's share of the indexer
@@ -183,8 +186,9 @@ def cp_dsa_forward(layer: DSAttention, x_local: torch.Tensor, cu_seqlens: torch.
                          f"{loss_row_mask.dtype} {tuple(loss_row_mask.shape)}")
     num_loss_rows = (_global_valid_rows(cu, query_index, group, loss_row_mask)
                      if layer.loss_reduction == "mean" else None)
+    shared = {} if topk_indices is None else {"topk_indices": topk_indices}
     return layer.attend(x_local, cu, query_index, gather=lambda t: gather_keys_to_global(t, cu, group),
-                        stage=stage, num_loss_rows=num_loss_rows, loss_row_mask=loss_row_mask)
+                        stage=stage, num_loss_rows=num_loss_rows, loss_row_mask=loss_row_mask, **shared)
 # --8<-- [end:cp_dsa_forward]
 
 

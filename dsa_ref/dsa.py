@@ -9,6 +9,12 @@ r"""Chapter 3.2, part 3: the DSA attention layer and its two training stages.
    (``stage="sparse"``);
 5. the indexer KL loss against the main attention (detached), over the window or the selection.
 
+**Index sharing** (GLM-5's IndexShare, Megatron-LM's ``dsa_indexer_topk_freq``): a layer built with
+``has_indexer=False`` owns no indexer. It takes the top-k of an earlier layer that does --
+``layer(x, topk_indices=earlier.topk_indices)`` -- and skips steps 2, 3 and 5: it attends over those
+keys (sparse stage) or densely (warm-up), and its indexer loss is 0 with no gradient. Only layers
+owning an indexer have an indexer loss.
+
 **Training stages** (DeepSeek-V3.2, section 2.1):
 
 * ``"dense_warmup"`` -- the main attention stays dense and the indexer learns to imitate it.
@@ -32,6 +38,7 @@ import torch
 from torch import nn
 
 from . import dispatch
+from ._checks import check_dim, check_int, check_rank, check_tensor
 from .absorbed_mla import AbsorbedMLA
 from .attention import dense_mla_attention
 from .config import DSAConfig
@@ -43,7 +50,8 @@ from .sparse_attention import attention_head_sum
 from .streaming import streamed_topk_indices
 from .streaming_loss import streamed_indexer_loss, windowed_attention_on_slots
 
-__all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "set_indexer_loss_scale"]
+__all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "check_shared_topk",
+           "set_indexer_loss_scale"]
 
 STAGES = ("dense_warmup", "sparse")
 
@@ -95,15 +103,23 @@ class DSAttention(nn.Module):
         backend: ``"reference"``, ``"tilelang"`` or ``"auto"`` (see `dsa_ref.dispatch`).
         loss_coeff: coefficient of the indexer loss.
         loss_reduction: ``"mean"`` over valid query rows or ``"sum"``.
+        has_indexer: ``False`` builds a layer without an indexer that attends over the top-k indices
+            of an earlier layer (index sharing; pass them as ``topk_indices`` to `forward`).
         device, dtype: for the weights (``indexer.weights_proj`` stays float32).
 
     Attributes:
         loss_scale: gradient the indexer loss receives in backward (default 1.0); set it with
             `set_indexer_loss_scale` (micro-batching and context parallelism do).
+        indexer: the `LightningIndexer`, or ``None`` for a layer built with ``has_indexer=False``.
+
+    ``state_dict()`` holds every weight once, under ``mla.*`` and ``indexer.*``: `absorbed` is a
+    view of ``mla`` built on access, not a submodule (state dicts saved with the older duplicate
+    ``absorbed.mla.*`` keys still load).
     """
 
     def __init__(self, config: DSAConfig, *, stage: str = "sparse", backend: str = "reference",
-                 loss_coeff: float = 1.0, loss_reduction: str = "mean", device=None, dtype=None) -> None:
+                 loss_coeff: float = 1.0, loss_reduction: str = "mean", has_indexer: bool = True,
+                 device=None, dtype=None) -> None:
         super().__init__()
         if not isinstance(config, DSAConfig):
             raise TypeError(f"config must be a DSAConfig, got {type(config).__name__}")
@@ -115,19 +131,37 @@ class DSAttention(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
         self.loss_scale: float | torch.Tensor = 1.0
+        if not isinstance(has_indexer, bool):
+            raise TypeError(f"has_indexer must be a bool, got {type(has_indexer).__name__}")
         self.mla = MLA(config.mla, device=device, dtype=dtype)
-        self.absorbed = AbsorbedMLA(self.mla)
-        self.indexer = LightningIndexer(config, device=device, dtype=dtype)
+        self.indexer = LightningIndexer(config, device=device, dtype=dtype) if has_indexer else None
+        self._register_load_state_dict_pre_hook(_drop_absorbed_duplicates)
+
+    @property
+    def has_indexer(self) -> bool:
+        """Whether this layer owns an indexer (``False``: it attends over another layer's top-k)."""
+        return self.indexer is not None
+
+    @property
+    def absorbed(self) -> AbsorbedMLA:
+        """The absorbed form of ``self.mla``: a view sharing its weights, built on access (not a submodule)."""
+        return AbsorbedMLA(self.mla)
 
     # --8<-- [start:trainable_parameters]
     def trainable_parameters(self, stage: str | None = None) -> list[nn.Parameter]:
-        """The parameters to optimise in a stage: only the indexer's in the dense warm-up, all in sparse."""
+        """The parameters to optimise in a stage: only the indexer's in the dense warm-up, all in sparse.
+
+        A layer without an indexer has nothing to train in the warm-up (an empty list).
+        """
         stage = _check_stage(self.stage if stage is None else stage)
-        return list(self.indexer.parameters()) if stage == "dense_warmup" else list(self.parameters())
+        if stage == "dense_warmup":
+            return [] if self.indexer is None else list(self.indexer.parameters())
+        return list(self.parameters())
     # --8<-- [end:trainable_parameters]
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
-                stage: str | None = None, loss_row_mask: torch.Tensor | None = None) -> DSAOutput:
+                stage: str | None = None, loss_row_mask: torch.Tensor | None = None,
+                topk_indices: torch.Tensor | None = None) -> DSAOutput:
         """One DSA layer over packed causal sequences.
 
         Args:
@@ -137,19 +171,26 @@ class DSAttention(nn.Module):
             loss_row_mask: optional bool ``[T]``; ``False`` rows (padding tokens) are left out of the
                 indexer loss and its mean. Pack padding as sequences of its own in ``cu_seqlens`` so
                 that no real query attends to it.
+            topk_indices: int ``[T, K]``, only for a layer without an indexer (``has_indexer=False``):
+                the selection of an earlier layer (its `DSAOutput.topk_indices`), ``-1`` = unused slot;
+                every other index must lie in its query's key window.
 
         Returns:
-            `DSAOutput` ``(output [T, dim], indexer_loss [], topk_indices [T, topk])``.
+            `DSAOutput` ``(output [T, dim], indexer_loss [], topk_indices [T, topk])``; a layer without
+            an indexer returns a zero loss (no gradient) and the ``topk_indices`` it was given.
         """
         check_tokens(x, self.config.mla.dim)
         cu = tokens_cu_seqlens(x, cu_seqlens)
         query_index = torch.arange(x.shape[0], device=x.device)  # [T]
-        return self.attend(x, cu, query_index, gather=lambda t: t, stage=stage, loss_row_mask=loss_row_mask)
+        shared = {} if topk_indices is None else {"topk_indices": topk_indices}
+        return self.attend(x, cu, query_index, gather=lambda t: t, stage=stage, loss_row_mask=loss_row_mask,
+                           **shared)
 
     # --8<-- [start:attend]
     def attend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, query_index: torch.Tensor, *,
                gather, stage: str | None = None, num_loss_rows: torch.Tensor | int | None = None,
-               head_sum_reduce=None, loss_row_mask: torch.Tensor | None = None) -> DSAOutput:
+               head_sum_reduce=None, loss_row_mask: torch.Tensor | None = None,
+               topk_indices: torch.Tensor | None = None) -> DSAOutput:
         """The layer for the queries ``query_index`` of the packed sequences ``cu_seqlens``.
 
         ``x`` holds the tokens ``query_index`` (all tokens without context parallelism, a rank's
@@ -158,9 +199,17 @@ class DSAttention(nn.Module):
         divisor of the mean loss (the global number of valid rows under CP); ``head_sum_reduce``
         combines the KL target's sum over this module's heads with the other ranks' heads (an
         all-reduce under tensor parallelism, see `dsa_ref.tensor_parallel`; ``None``: all heads are here);
-        ``loss_row_mask`` (bool, one per query) leaves padding rows out of the indexer loss.
+        ``loss_row_mask`` (bool, one per query) leaves padding rows out of the indexer loss;
+        ``topk_indices`` (``[T_q, K]``, global key indices) is the shared selection of a layer
+        without an indexer (see `forward`).
         """
         stage = _check_stage(self.stage if stage is None else stage)
+        if self.indexer is None:
+            return self._attend_shared(x, cu_seqlens, query_index, gather=gather, stage=stage,
+                                       topk_indices=topk_indices)
+        if topk_indices is not None:
+            raise ValueError("topk_indices is only for a layer built with has_indexer=False; this layer owns an "
+                             "indexer and selects its own keys")
         cfg = self.config
         pos = positions(cu_seqlens, query_index)  # [T_q]
         starts, ends = key_windows(cu_seqlens, query_index)  # [T_q] each, in global key order
@@ -205,6 +254,28 @@ class DSAttention(nn.Module):
         return self._finish(o_latent, loss, topk)
     # --8<-- [end:attend]
 
+    # --8<-- [start:attend_shared]
+    def _attend_shared(self, x: torch.Tensor, cu_seqlens: torch.Tensor, query_index: torch.Tensor, *,
+                       gather, stage: str, topk_indices: torch.Tensor | None) -> DSAOutput:
+        """`attend` for a layer without an indexer: attention over another layer's top-k, no indexer loss."""
+        cfg = self.config
+        pos = positions(cu_seqlens, query_index)  # [T_q]
+        starts, ends = key_windows(cu_seqlens, query_index)  # [T_q] each, in global key order
+        topk = check_shared_topk(topk_indices, starts, ends)  # [T_q, K]
+        p = self.mla.project(x, pos)
+        q, kv_local = self.absorbed.absorbed_qkv(p)  # [T_q, H, 576], [T_q, 576]
+        kv = gather(kv_local)  # [S, 576]
+        if stage == "dense_warmup":
+            o_latent, _ = dense_mla_attention(q, kv, sm_scale=self.mla.softmax_scale,
+                                              d_v=cfg.mla.kv_lora_rank, starts=starts, ends=ends)  # [T_q, H, r]
+        else:
+            o_latent, _ = dispatch.sparse_mla(q, kv, topk, sm_scale=self.mla.softmax_scale,
+                                              d_v=cfg.mla.kv_lora_rank, backend=self.backend)  # [T_q, H, r]
+        loss = torch.zeros((), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                           device=x.device)  # no indexer, no loss
+        return self._finish(o_latent, loss, topk)
+    # --8<-- [end:attend_shared]
+
     def _finish(self, o_latent: torch.Tensor, loss: torch.Tensor, topk: torch.Tensor) -> DSAOutput:
         """Output projection, and the indexer loss's gradient attached to the output (auto-scaler)."""
         out = self.absorbed.output(o_latent)  # [T_q, dim]
@@ -222,6 +293,37 @@ def set_indexer_loss_scale(module: nn.Module, scale: float | torch.Tensor) -> No
     for m in module.modules():
         if isinstance(m, DSAttention):
             m.loss_scale = scale
+
+
+def check_shared_topk(topk_indices: torch.Tensor | None, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Check the top-k a layer without an indexer was given: int ``[T_q, K]``, ``-1`` or inside each key window.
+
+    Returns the indices as int64. Raises ValueError naming the first bad entry (an index outside its
+    query's window would let a query read a future token or another sequence).
+    """
+    if topk_indices is None:
+        raise ValueError("this layer has no indexer (has_indexer=False): pass topk_indices, the selection of an "
+                         "earlier layer that owns one (its DSAOutput.topk_indices)")
+    check_tensor("topk_indices", topk_indices)
+    check_int("topk_indices", topk_indices)
+    check_rank("topk_indices", topk_indices, 2, "[T, K]")
+    check_dim("topk_indices", topk_indices, 0, starts.shape[0], "one row per query token")
+    if topk_indices.shape[1] < 1:
+        raise ValueError(f"topk_indices must have at least one slot per row, got shape {tuple(topk_indices.shape)}")
+    idx = topk_indices.to(device=starts.device, dtype=torch.int64)  # [T_q, K]
+    inside = (idx >= starts[:, None]) & (idx < ends[:, None])  # [T_q, K]
+    bad = ~(inside | (idx == -1))
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"topk_indices[{t}, {j}] = {int(idx[t, j])} lies outside query {t}'s key window "
+                         f"[{int(starts[t])}, {int(ends[t])}) (use -1 for an unused slot)")
+    return idx
+
+
+def _drop_absorbed_duplicates(state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook: drop the ``absorbed.mla.*`` copies older versions saved beside ``mla.*``."""
+    for key in [k for k in state_dict if k.startswith(prefix + "absorbed.mla.")]:
+        del state_dict[key]
 
 
 def _check_stage(stage: str) -> str:

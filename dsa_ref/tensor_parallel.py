@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .absorbed_mla import AbsorbedMLA
 from .config import DSAConfig, MLAConfig
 from .dsa import DSAOutput, DSAttention
 from .mla import MLA, MLAProjections
@@ -238,7 +237,6 @@ class TensorParallelDSA(DSAttention):
         self.latent_grads, self.kl_target, self.check_replicas = latent_grads, kl_target, bool(check_replicas)
         self.mla = HeadParallelMLA(config.mla, group=tp_group, tp_size=world, latent_grads=latent_grads,
                                    device=device, dtype=dtype)
-        self.absorbed = AbsorbedMLA(self.mla)
 
     @classmethod
     def from_dense(cls, layer: DSAttention, *, tp_group: dist.ProcessGroup | None = None,
