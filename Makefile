@@ -4,6 +4,7 @@
 #   make test        every test: pytest over tests/ (which includes the strict site build,
 #                    in tests/test_site.py) and every notebook through nbmake
 #   make docs        build the site, notebooks executed, and serve it on http://127.0.0.1:8000
+#   make docs-fast   the same without executing the notebooks (prose previews in seconds)
 #   make docs-build  the strict site build alone, into site/
 #   make clean       remove the venv and every build output
 #
@@ -22,7 +23,7 @@ export OMP_NUM_THREADS ?= 1
 export JUPYTER_PLATFORM_DIRS := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: venv test docs docs-build clean
+.PHONY: venv test docs docs-fast docs-build clean
 
 venv: $(STAMP)
 
@@ -39,6 +40,9 @@ test: $(STAMP)
 
 docs: $(STAMP)
 	$(VPY) -m mkdocs serve -a 127.0.0.1:8000
+
+docs-fast: $(STAMP)
+	DSA_REF_EXECUTE_NOTEBOOKS=false $(VPY) -m mkdocs serve -a 127.0.0.1:8000
 
 docs-build: $(STAMP)
 	$(VPY) -m mkdocs build --strict

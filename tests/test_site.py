@@ -242,6 +242,11 @@ class Chromium:
             raise RuntimeError(result["exceptionDetails"])
         return result["result"].get("value")
 
+    def resize(self, width: int, height: int = 900):
+        """Set the window's size in CSS pixels (the pages re-lay out; call visit afterwards)."""
+        self.call("Emulation.setDeviceMetricsOverride", session=True,
+                  width=width, height=height, deviceScaleFactor=1, mobile=False)
+
     def screenshot(self, path: Path):
         data = self.call("Page.captureScreenshot", session=True, format="png")["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -344,12 +349,87 @@ def test_every_page_in_chromium(site, server, browser):
     assert not failures, "\n".join(failures)
 
 
+# Code that runs off the side of its box: every <pre> of a notebook code cell (input and text
+# output) whose content is wider than the box, and whether the page itself scrolls sideways.
+_CODE_OVERFLOW = r"""(() => {
+  const wide = [];
+  const blocks = document.querySelectorAll('.jupyter-wrapper .jp-CodeCell pre');
+  for (const el of blocks) {
+    if (el.scrollWidth > el.clientWidth + 1) {
+      wide.push(`${el.scrollWidth} > ${el.clientWidth} px: ${el.textContent.trim().split('\n')[0].slice(0, 60)}`);
+    }
+  }
+  const root = document.documentElement;
+  return {blocks: blocks.length, wide, page: root.scrollWidth > root.clientWidth + 1};
+})()"""
+
+# Entries of the page's table of contents that still hold LaTeX source ($, \(, \frac{...}).
+_TOC_RAW_LATEX = r"""Array.from(document.querySelectorAll('.md-nav--secondary .md-nav__link'))
+  .map(a => a.textContent.trim())
+  .filter(t => /\$|\\[(\[]|\\[A-Za-z]+\{|\^\{|_\{/.test(t))"""
+
+# The widths at which notebook code must fit: a laptop window, and a narrower one (Material's
+# right-hand table of contents is hidden below 1220 px, its navigation below 960 px).
+WIDTHS = (1400, 1000)
+
+
+def test_notebook_code_cells_fit_without_sideways_scrolling(site, server, browser):
+    """Every code cell of every notebook page fits its column at 1400 px and at 1000 px."""
+    pages = sorted((site / "notebooks").glob("*/index.html"))
+    assert pages, "no notebook pages"
+    failures, checked = [], 0
+    try:
+        for width in WIDTHS:
+            browser.resize(width)
+            for page in pages:
+                browser.visit(server + page_url(site, page), settle=0.3)
+                state = browser.evaluate(_CODE_OVERFLOW)
+                checked += state["blocks"]
+                where = f"{page_url(site, page)} at {width} px"
+                failures += [f"{where}: {w}" for w in state["wide"]]
+                if state["page"]:
+                    failures.append(f"{where}: the page scrolls sideways")
+    finally:
+        browser.resize(1280)
+    assert checked > 0, "no code cells found on the notebook pages"
+    assert not failures, "code wider than its column:\n" + "\n".join(failures)
+
+
+def test_no_raw_latex_in_tables_of_contents(site, server, browser):
+    """Headings with math give plain-text TOC entries (`{ data-toc-label="..." }` on the heading)."""
+    failures = []
+    for page in html_pages(site):
+        browser.visit(server + page_url(site, page), settle=0.2)
+        failures += [f"{page_url(site, page)}: {entry!r}" for entry in browser.evaluate(_TOC_RAW_LATEX)]
+    assert not failures, "LaTeX source in a table of contents:\n" + "\n".join(failures)
+
+
+def test_toc_check_sees_raw_latex():
+    """The pattern above matches what a heading with math leaves in a TOC, and not plain text."""
+    import re as re_
+
+    pattern = re_.compile(r"\$|\\[(\[]|\\[A-Za-z]+\{|\^\{|_\{")
+    for raw in (r"The softmax scale stays \(m^2/\sqrt{192}\)", "What a small $k$ costs", r"\frac{a}{b}"):
+        assert pattern.search(raw), raw
+    for plain in ("The softmax scale stays m²/√192", "What a small k costs in accuracy", "4.2 Context parallelism"):
+        assert not pattern.search(plain), plain
+
+
 def test_screenshots(site, server, browser):
-    """Landing page and the first notebook, for a person to look at (build/screenshots/)."""
+    """Landing page, a chapter and the notebooks, for a person to look at (build/screenshots/)."""
     browser.visit(server + "/")
     browser.screenshot(SCREENSHOTS / "index.png")
-    notebooks = sorted((site / "notebooks").glob("*/index.html"))
-    if notebooks:
-        browser.visit(server + page_url(site, notebooks[0]))
-        browser.screenshot(SCREENSHOTS / f"notebook-{notebooks[0].parent.name}.png")
+    chapter = site / "chapters" / "05_tilelang_fast_path" / "index.html"
+    if chapter.is_file():
+        browser.visit(server + page_url(site, chapter))
+        browser.screenshot(SCREENSHOTS / "chapter-05_tilelang_fast_path.png")
+    try:
+        for width in WIDTHS:
+            browser.resize(width)
+            for page in sorted((site / "notebooks").glob("*/index.html")):
+                browser.visit(server + page_url(site, page), settle=0.3)
+                browser.evaluate("window.scrollTo(0, 900)")
+                browser.screenshot(SCREENSHOTS / f"notebook-{page.parent.name}-{width}.png")
+    finally:
+        browser.resize(1280)
     assert (SCREENSHOTS / "index.png").stat().st_size > 10_000

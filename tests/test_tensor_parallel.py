@@ -287,7 +287,7 @@ def test_head_sum_reduce_combines_head_groups(stage):
 
 
 def test_collective_bytes_match_the_chapter():
-    """The byte counts quoted in docs/chapters/07_tensor_parallel.md (DeepSeek-V3.2, T = 4096)."""
+    """The byte counts quoted in docs/chapters/04_4_tensor_parallel.md (DeepSeek-V3.2, T = 4096)."""
     b = tp_collective_bytes(deepseek_v32(), 4096)
     assert b == {"output": 58_720_256, "target_dense": 67_108_864, "target_sparse": 33_554_432,
                  "latent_grads": 17_301_504, "input_grad": 58_720_256, "latent_param_grads": 60_563_456,

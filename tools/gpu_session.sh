@@ -8,7 +8,7 @@
 #   bench      benchmarks/bench_kernels.py, with the extra arguments
 #   bench_gpu  the same in GPU time (DSA_REF_BENCH_QUEUE_AHEAD=1), to bench_kernels_gpu_time.json
 #   verify     `dsa-ref verify --gpu --json` (every identity, plus the kernels)
-#   notebooks  every notebook's code run as a script on the GPU (their GPU branches)
+#   notebooks  every notebook (its jupytext .py) run as a script on the GPU (their GPU branches)
 #   refmem     the reference layer's memory at 32K tokens
 #   cp         context parallelism on NCCL (one rank), TileLang and reference
 #   layers     the DSAttention step benchmark at 4096 and 8192 tokens
@@ -56,7 +56,7 @@ if has verify; then
   timeout 200 python3 -m dsa_ref verify --gpu --json > "$OUT/verify_gpu.json" 2> "$OUT/verify_gpu.err"; echo "verify rc $?"
 fi
 if has notebooks; then
-  python3 tools/run_notebooks_as_scripts.py notebooks/*.ipynb --timeout 150 2>&1 | tee "$OUT/notebooks.log"
+  python3 tools/run_notebooks_as_scripts.py notebooks/*.py --timeout 150 2>&1 | tee "$OUT/notebooks.log"
 fi
 if has refmem; then
   timeout 300 python3 benchmarks/bench_reference_memory.py --device cuda --seqlens 32768 --kinds layer \

@@ -10,8 +10,9 @@
 #                   installed torch that already satisfies it)
 #   TORCH_PIP_ARGS  extra pip arguments, e.g. "--index-url https://download.pytorch.org/whl/cu124"
 # Without TORCH_SPEC: keep an importable torch >= 2.4; else on a machine with
-# nvidia-smi install the default build; else try the PyTorch CPU index and fall
-# back to torch==2.13.0 from the default index.
+# nvidia-smi install the default build; else install from the PyTorch CPU index
+# if it quietly answers that it has a build for this Python, and otherwise
+# torch==2.13.0 from the default index.
 set -euo pipefail
 
 PY=${1:?usage: install_torch.sh PYTHON}
@@ -43,14 +44,20 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     exit 0
 fi
 
-echo "install_torch: no GPU; trying the PyTorch CPU index"
-# Only the CPU index: without the machine's pip config, so that no local
-# find-links or extra index can hand us a CUDA wheel instead. Short timeout, no
-# retries: where that index is unreachable this fails within seconds.
-if env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
-    "$PY" -m pip install --index-url "$CPU_INDEX" --timeout 10 --retries 0 "torch>=2.4"; then
-    exit 0
+# Only the CPU index: without the machine's pip config, so that no local find-links or extra index
+# can hand us a CUDA wheel instead. First ask it quietly whether it has a build for this Python
+# (`pip index versions` downloads nothing; short timeout, no retries): where the index is
+# unreachable or has no matching wheel, pip would otherwise print a red "Could not find a version"
+# error before the fallback below succeeds.
+cpu_pip() { env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null "$PY" -m pip "$@"; }
+cpu_torch=$(cpu_pip index versions torch --index-url "$CPU_INDEX" --timeout 10 --retries 0 2>/dev/null \
+            | sed -n 's/^torch (\([^)]*\)).*/\1/p' || true)
+if [[ -n "$cpu_torch" ]]; then
+    echo "install_torch: no GPU; installing the CPU build from the PyTorch CPU index (newest: $cpu_torch)"
+    if cpu_pip install --index-url "$CPU_INDEX" --timeout 10 --retries 0 "torch>=2.4"; then
+        exit 0
+    fi
 fi
 
-echo "install_torch: CPU index unavailable; installing $FALLBACK_SPEC from the default index"
+echo "install_torch: no GPU and no CPU build reachable on the PyTorch CPU index; installing $FALLBACK_SPEC from the default index"
 pip_install "$FALLBACK_SPEC"

@@ -1,18 +1,17 @@
-"""Run the code cells of notebooks as plain scripts, one process each (for machines without Jupyter).
+"""Run notebooks as plain scripts, one process each (for machines without Jupyter).
 
-    python tools/run_notebooks_as_scripts.py notebooks/*.ipynb [--timeout 120]
+    python tools/run_notebooks_as_scripts.py notebooks/*.py [--timeout 120]
 
-The GPU machine has no Jupyter; this checks there that every notebook's GPU branch runs. Each
-script runs with the notebook's folder as working directory (as mkdocs-jupyter and nbmake do)
-and a non-interactive matplotlib backend. Exit code 1 if any notebook fails.
+Every notebook is a jupytext pair, and its percent-format .py is a Python script whose markdown
+cells are comments. The GPU machine has no Jupyter; this checks there that every notebook's GPU
+branch runs. Each script runs with the notebook's folder as working directory (as mkdocs-jupyter
+and nbmake do) and a non-interactive matplotlib backend. Exit code 1 if any notebook fails.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,14 +24,10 @@ def main() -> int:
     env = dict(os.environ, MPLBACKEND="Agg")
     failed = 0
     for name in args.notebooks:
-        path = Path(name).resolve()
-        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-        script = "\n\n".join("".join(c["source"]) for c in cells)
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(script)
+        path = Path(name).resolve().with_suffix(".py")  # notebooks/NN_name.ipynb names its pair too
         t0 = time.time()
         try:
-            run = subprocess.run([sys.executable, f.name], cwd=path.parent, env=env, capture_output=True,
+            run = subprocess.run([sys.executable, str(path)], cwd=path.parent, env=env, capture_output=True,
                                  text=True, timeout=args.timeout)
             ok, tail = run.returncode == 0, (run.stdout + run.stderr)[-1500:]
         except subprocess.TimeoutExpired:

@@ -1,6 +1,6 @@
 """Context parallelism for one DeepSeek-V3.2 DSA layer at 128K tokens, on paper.
 
-    python tools/plots/cp_scale.py            # prints the tables of docs/chapters/06b_cp_at_scale.md
+    python tools/plots/cp_scale.py            # prints the tables of docs/chapters/04_3_cp_at_scale.md
                                               # and writes docs/assets/cp_scale.svg
     python tools/plots/cp_scale.py --no-plot  # tables only (no matplotlib needed)
 
