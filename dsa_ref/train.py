@@ -55,7 +55,7 @@ from .layout import key_windows, positions
 from .model import DSALanguageModel, ModelConfig, count_parameters, sequence_groups
 from .tasks import IGNORE, TASKS, check_task, make_batch
 
-__all__ = ["TrainConfig", "Phase", "RUNS", "phases", "build_model", "train", "evaluate", "train_step",
+__all__ = ["TrainConfig", "Phase", "RUNS", "phases", "build_model", "train", "evaluate", "train_step", "compute_gradients",
            "make_optimizer", "summarise", "plot_curves"]
 
 
@@ -66,7 +66,8 @@ class TrainConfig:
 
     Task: ``task``, ``context`` (tokens per sequence), ``num_pairs``, ``vocab_size``.
     Model: ``n_layers``, ``dim``, ``n_heads``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
-    ``qk_rope_head_dim``, ``v_head_dim``, ``index_n_heads``, ``index_head_dim``, ``topk``, ``mlp_hidden``.
+    ``qk_rope_head_dim``, ``v_head_dim``, ``index_n_heads``, ``index_head_dim``, ``topk``, ``mlp_hidden``,
+    ``token_shift`` (see `dsa_ref.model.ModelConfig`).
     Recipe: steps of the phases (``steps_dense``, ``steps_warmup``, ``steps_sparse``), peak learning
     rates (``lr`` for the model in (a) and the dense control, ``lr_sparse`` for the model in (c),
     ``lr_indexer`` for the indexers in (b) and (c)), ``warmup_fraction`` of each phase's steps for the
@@ -92,6 +93,7 @@ class TrainConfig:
     index_head_dim: int = 32
     topk: int = 32
     mlp_hidden: int = 256
+    token_shift: bool = True
     steps_dense: int = 300
     steps_warmup: int = 50
     steps_sparse: int = 100
@@ -144,7 +146,8 @@ class TrainConfig:
         indexer = IndexerConfig(n_heads=self.index_n_heads, head_dim=self.index_head_dim, topk=self.topk,
                                 rope_head_dim=self.qk_rope_head_dim)
         return ModelConfig(vocab_size=self.vocab_size, n_layers=self.n_layers,
-                           attention=DSAConfig(mla=mla, indexer=indexer), mlp_hidden=self.mlp_hidden)
+                           attention=DSAConfig(mla=mla, indexer=indexer), mlp_hidden=self.mlp_hidden,
+                           token_shift=self.token_shift)
 
 
 # --8<-- [start:phases]
@@ -252,26 +255,35 @@ def eval_seed(seed: int) -> int:
 
 
 # --8<-- [start:train_step]
-def train_step(model: DSALanguageModel, opt, sched, groups, batch, mode: str, cfg: TrainConfig) -> dict:
-    """One optimiser step of a phase; returns its LM loss and (if any) the indexer KL."""
+def compute_gradients(model: DSALanguageModel, batch, mode: str, cfg: TrainConfig):
+    """Forward and backward of one batch in ``mode``; returns ``(lm_loss, indexer_losses)``, detached.
+
+    * ``"dense"``: the LM loss on the answer tokens trains the model;
+    * ``"dense_warmup"``: only the KL losses are backpropagated (the main model is frozen, and the
+      indexers' inputs are detached, so nothing but the indexers receives a gradient);
+    * ``"sparse"``: the LM loss; each layer output carries its indexer's KL gradient
+      (`dsa_ref.dsa.IndexerLossAutoScaler`), which reaches only the indexer.
+    """
     tokens, targets, _, cu = pack(batch, cfg.device)
     out = model(tokens, cu, mode=mode, seqs_per_call=cfg.seqs_per_call)
     answer = targets != IGNORE  # [T] the positions that have an answer
     lm_loss = F.cross_entropy(out.logits[answer], targets[answer])
     if mode == "dense_warmup":
-        # only the indexers learn, from the KL alone (the main model is frozen)
-        kl = torch.stack(out.indexer_losses).sum()
-        kl.backward()
+        torch.stack(out.indexer_losses).sum().backward()
     else:
-        # dense: the LM loss; sparse: the LM loss, and each layer output carries its indexer's KL gradient
         lm_loss.backward()
-    for params in groups:
+    return lm_loss.detach(), [loss.detach() for loss in out.indexer_losses]
+
+
+def train_step(model: DSALanguageModel, opt, sched, groups, batch, mode: str, cfg: TrainConfig) -> dict:
+    """One optimiser step of a phase; returns its LM loss and (if any) the mean indexer KL."""
+    lm_loss, kl = compute_gradients(model, batch, mode, cfg)
+    for params in groups:  # the main model and the indexers are clipped separately
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    kl_value = None if not out.indexer_losses else float(torch.stack(out.indexer_losses).detach().mean())
-    return {"train_lm_loss": float(lm_loss.detach()), "train_indexer_kl": kl_value}
+    return {"train_lm_loss": float(lm_loss), "train_indexer_kl": float(torch.stack(kl).mean()) if kl else None}
 # --8<-- [end:train_step]
 
 
