@@ -68,13 +68,18 @@ class TrainConfig:
     Model: ``n_layers``, ``dim``, ``n_heads``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
     ``qk_rope_head_dim``, ``v_head_dim``, ``index_n_heads``, ``index_head_dim``, ``topk``, ``mlp_hidden``,
     ``token_shift`` (see `dsa_ref.model.ModelConfig`).
+    Curriculum: the first ``short_context_steps`` steps of phase (a) train on sequences of
+    ``short_context`` tokens, with as many tokens per batch as the long steps (``batch_size *
+    context // short_context`` sequences): a sequence-length warm-up. A small model finds the
+    recall mechanism much sooner on short sequences, and the mechanism carries over to long ones.
     Recipe: steps of the phases (``steps_dense``, ``steps_warmup``, ``steps_sparse``), peak learning
     rates (``lr`` for the model in (a) and the dense control, ``lr_sparse`` for the model in (c),
     ``lr_indexer`` for the indexers in (b) and (c)), ``warmup_fraction`` of each phase's steps for the
     linear warm-up, ``weight_decay`` (matrices only), ``grad_clip``, ``indexer_loss_coeff``, ``batch_size``.
     Measurement: ``eval_every`` steps on ``eval_batch_size`` held-out examples; ``checkpoint_every`` steps.
     Execution: ``seeds`` (how many, from ``first_seed``), ``device``, ``backend``, ``attn_dtype``
-    (``"bfloat16"`` for the TileLang kernels), ``seqs_per_call`` (sequences per attention call).
+    (``"bfloat16"`` for the TileLang kernels), ``seqs_per_call`` (full-length sequences per attention
+    call; ``None``: the whole packed batch in one call).
     """
 
     task: str = "mqar"
@@ -94,6 +99,8 @@ class TrainConfig:
     topk: int = 32
     mlp_hidden: int = 256
     token_shift: bool = True
+    short_context: int = 64
+    short_context_steps: int = 0
     steps_dense: int = 300
     steps_warmup: int = 50
     steps_sparse: int = 100
@@ -123,6 +130,14 @@ class TrainConfig:
             _require_int(name, getattr(self, name), 1)
         for name in ("steps_dense", "steps_warmup", "steps_sparse", "first_seed"):
             _require_int(name, getattr(self, name), 0)
+        if self.short_context_steps:
+            _require_int("short_context_steps", self.short_context_steps, 0)
+            if self.short_context_steps > self.steps_dense:
+                raise ValueError(f"short_context_steps={self.short_context_steps} must not exceed "
+                                 f"steps_dense={self.steps_dense}")
+            if self.short_context > self.context:
+                raise ValueError(f"short_context={self.short_context} must not exceed context={self.context}")
+            check_task(self.task, context=self.short_context, num_pairs=self.num_pairs, vocab_size=self.vocab_size)
         if self.topk >= self.context:
             raise ValueError(f"topk={self.topk} must be smaller than context={self.context}: "
                              "with topk >= context every key is selected and sparse attention is dense")
@@ -238,10 +253,18 @@ def pack(batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
             gold.reshape(-1).to(device), cu.to(device))
 
 
-def task_batch(cfg: TrainConfig, seed: int, batch_size: int):
-    """The task's examples for a data seed."""
-    return make_batch(cfg.task, batch_size=batch_size, context=cfg.context, num_pairs=cfg.num_pairs,
-                      vocab_size=cfg.vocab_size, seed=seed)
+def task_batch(cfg: TrainConfig, seed: int, batch_size: int, context: int | None = None):
+    """The task's examples for a data seed (``context`` tokens each; default ``cfg.context``)."""
+    return make_batch(cfg.task, batch_size=batch_size, context=cfg.context if context is None else context,
+                      num_pairs=cfg.num_pairs, vocab_size=cfg.vocab_size, seed=seed)
+
+
+def seqs_per_call(cfg: TrainConfig, length: int) -> int | None:
+    """Sequences per attention call for sequences of ``length`` tokens: ``cfg.seqs_per_call`` at the
+    full context, proportionally more for the curriculum's short sequences (the same tokens per call)."""
+    if cfg.seqs_per_call is None:
+        return None
+    return cfg.seqs_per_call * max(1, cfg.context // length)
 
 
 def batch_seed(seed: int, phase_index: int, step: int) -> int:
@@ -265,7 +288,7 @@ def compute_gradients(model: DSALanguageModel, batch, mode: str, cfg: TrainConfi
       (`dsa_ref.dsa.IndexerLossAutoScaler`), which reaches only the indexer.
     """
     tokens, targets, _, cu = pack(batch, cfg.device)
-    out = model(tokens, cu, mode=mode, seqs_per_call=cfg.seqs_per_call)
+    out = model(tokens, cu, mode=mode, seqs_per_call=seqs_per_call(cfg, batch.tokens.shape[1]))
     answer = targets != IGNORE  # [T] the positions that have an answer
     lm_loss = F.cross_entropy(out.logits[answer], targets[answer])
     if mode == "dense_warmup":
@@ -303,7 +326,8 @@ def evaluate(model: DSALanguageModel, batch, mode: str, cfg: TrainConfig) -> dic
     """
     model.eval()
     tokens, targets, gold, cu = pack(batch, cfg.device)
-    out = model(tokens, cu, mode=mode, seqs_per_call=cfg.seqs_per_call, return_hidden=mode != "dense")
+    out = model(tokens, cu, mode=mode, seqs_per_call=seqs_per_call(cfg, batch.tokens.shape[1]),
+                return_hidden=mode != "dense")
     answer = targets != IGNORE  # [T]
     logits = out.logits[answer]  # [A, V]
     metrics = {"lm_loss": float(F.cross_entropy(logits, targets[answer])),
@@ -456,7 +480,12 @@ def run_phase(cfg: TrainConfig, seed: int, index: int, phase: Phase, ckpt_dir: P
             _save(path, model, opt, sched, state)
             bar.close()
             return None
-        batch = task_batch(cfg, batch_seed(seed, index, state.step), cfg.batch_size)
+        short = phase.name == "a_dense" and state.step < cfg.short_context_steps  # the curriculum
+        if short:
+            batch = task_batch(cfg, batch_seed(seed, index, state.step),
+                               cfg.batch_size * cfg.context // cfg.short_context, cfg.short_context)
+        else:
+            batch = task_batch(cfg, batch_seed(seed, index, state.step), cfg.batch_size)
         t0 = time.perf_counter()
         train_metrics = train_step(model, opt, sched, groups, batch, phase.mode, cfg)
         if cfg.device.startswith("cuda"):
