@@ -26,6 +26,7 @@ import platform
 import sys
 import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -744,6 +745,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: the checkpoint's, bfloat16 for fp8 weights)")
     i.add_argument("--no-forward", action="store_true", help="only list the tensors and the derived config")
     i.set_defaults(func=_inspect)
+    t = sub.add_parser("train", help="train a small DSA language model through both stages, with two controls (chapter 6)",
+                       description=_TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_train_arguments(t)
+    t.set_defaults(func=_train)
     return parser
 
 
@@ -761,6 +766,87 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"dsa-ref inspect: {err}", file=sys.stderr)
         return 2
     print(report)
+    return 0
+
+
+_TRAIN_DOC = """``dsa-ref train``: the recipe of chapter 6 (dense, dense warm-up of the indexers, sparse) and two controls.
+
+    dsa-ref train --task mqar --context 512 --topk 32 --seeds 3 --device cpu --out runs/mqar
+    dsa-ref train --resume runs/mqar                 # continue an interrupted run exactly
+    dsa-ref train ... --device cuda --backend tilelang   # the TileLang kernels (bfloat16 attention)
+
+Writes config.json, log.jsonl, summary.json (runs dense, dsa, dsa_no_warmup, dense_continued),
+curves.png and checkpoints/ into --out. Every field of `dsa_ref.train.TrainConfig` is an option.
+Exit code 0 when done, 2 for a bad argument (the message names it).
+"""
+
+_TRAIN_HELP = {
+    "task": "the task (dsa_ref.tasks.TASKS)", "context": "tokens per sequence", "topk": "keys each query selects",
+    "seeds": "number of seeds (from --first-seed)", "device": "torch device, e.g. cpu or cuda",
+    "backend": "attention backend: reference, tilelang or auto", "num_pairs": "key-value pairs (mqar) or copied tokens (copy)",
+    "attn_dtype": "dtype of the attention weights (bfloat16 for --backend tilelang, its default there)",
+    "seqs_per_call": "sequences per attention call (0: the whole packed batch in one call)",
+}
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per field of `dsa_ref.train.TrainConfig`, plus --out, --resume, --stop-after, --no-progress."""
+    import dataclasses
+
+    from .train import TrainConfig
+
+    parser.add_argument("--out", metavar="DIR", help="output directory (must not hold a run yet)")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoints, with its config.json")
+    parser.add_argument("--stop-after", type=int, metavar="N", help="stop (with a checkpoint) after N steps of this call")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        kind = {"seqs_per_call": int}.get(f.name, type(default))
+        help_text = _TRAIN_HELP.get(f.name, f.name.replace("_", " ")) + f" (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .train import TrainConfig, train
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if given.get("seqs_per_call") == 0:
+        given["seqs_per_call"] = None
+    try:
+        if args.resume:
+            if args.out is not None or given:
+                extra = ", ".join(["--out"] * (args.out is not None) + ["--" + k.replace("_", "-") for k in given])
+                raise ValueError(f"--resume continues the run with its own config.json; drop {extra}")
+            out = args.resume
+            cfg = TrainConfig(**json.loads((Path(out) / "config.json").read_text()))
+        else:
+            if args.out is None:
+                raise ValueError("--out DIR is required (or --resume DIR)")
+            out = args.out
+            if given.get("backend") == "tilelang" and "attn_dtype" not in given:
+                given["attn_dtype"] = "bfloat16"
+            cfg = TrainConfig(**given)
+        command = "dsa-ref train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else None
+        summary = train(cfg, out, resume=bool(args.resume), stop_after=args.stop_after,
+                        progress=not args.no_progress, command=command)
+    except (ValueError, TypeError) as err:
+        print(f"dsa-ref train: error: {err}", file=sys.stderr)
+        return 2
+    if summary is None:
+        print(f"dsa-ref train: stopped after --stop-after {args.stop_after} steps; continue with --resume {out}")
+        return 0
+    for run, r in summary["runs"].items():
+        recall = "-" if r["gold_key_recall"] is None else f"{r['gold_key_recall']:.3f}"
+        print(f"{run:16s} accuracy {r['accuracy']:.3f} ± {r['std']['accuracy']:.3f}  lm_loss {r['lm_loss']:.3f}  "
+              f"gold-key recall {recall}  steps {r['steps']:.0f}  {r['seconds']:.1f} s")
+    print(f"wrote {out}/summary.json, log.jsonl, curves.png")
     return 0
 
 
