@@ -325,8 +325,9 @@ def has_math(page: Path) -> bool:
     html = page.read_text(encoding="utf-8")
     if 'class="arithmatex"' in html:
         return True
-    # notebook markdown cells keep the author's $...$ as text
-    return "jp-RenderedMarkdown" in html and re.search(r"\$[^$<>\s][^$<>]*\$", html) is not None
+    # notebook markdown cells keep the author's $...$ as text (scripts and styles may hold a '$' too)
+    text = re.sub(r"<(script|style)\b.*?</\1>", "", html, flags=re.S)
+    return "jp-RenderedMarkdown" in text and re.search(r"\$[^$<>\s][^$<>]*\$", text) is not None
 
 
 def test_every_page_in_chromium(site, server, browser):
