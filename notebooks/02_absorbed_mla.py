@@ -39,6 +39,7 @@ import torch
 
 import dsa_ref
 from dsa_ref import MLA, deepseek_v32, key_windows, positions, tiny, window_mask
+from dsa_ref.notebook_helpers import check_close
 
 torch.manual_seed(0)
 ON_GPU = torch.cuda.is_available()
@@ -55,11 +56,6 @@ T = int(cu_seqlens[-1])
 print(f"device={device}, config={'deepseek_v32' if ON_GPU else 'tiny'}, lengths={lengths}, T={T}")
 
 
-def check_close(actual, expected, atol=1e-12):
-    """Fail unless actual is within atol of expected everywhere; return the largest difference."""
-    err = (actual - expected).abs().max().item()
-    assert err <= atol, f"max |difference| = {err:.3e} > {atol:.0e}"
-    return err
 
 from dsa_ref import AbsorbedMLA, dense_mla_attention
 from dsa_ref.absorbed_mla import absorb_query, apply_w_uv, latent_kv

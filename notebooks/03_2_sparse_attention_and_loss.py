@@ -38,6 +38,7 @@ from dsa_ref import (DSAttention, LightningIndexer, dense_mla_attention, indexer
                      lightning_indexer, positions, set_indexer_loss_scale, sparse_mla, tiny, topk_indices,
                      window_mask)
 from dsa_ref.indexer_loss import indexer_logit_grad, indexer_target
+from dsa_ref.notebook_helpers import indexer_scores, look_inside, mass_covered, sharpened_layer, toy_tokens
 
 ON_GPU = torch.cuda.is_available()
 device = torch.device("cuda" if ON_GPU else "cpu")
@@ -60,42 +61,13 @@ vocab = torch.randn(VOCAB, cfg.mla.dim, generator=torch.Generator().manual_seed(
 
 def make_layer(seed=0):
     """A tiny DSA layer with its main attention sharpened (query and key up-projections x SHARPEN)."""
-    torch.manual_seed(seed)
-    layer = DSAttention(cfg, stage="dense_warmup").to(device)
-    with torch.no_grad():
-        layer.mla.wq_b.weight.mul_(SHARPEN)
-        layer.mla.wkv_b.weight.mul_(SHARPEN)
-    return layer
+    return sharpened_layer(cfg, seed=seed, sharpen=SHARPEN, device=device)
 
 
 def tokens(n, generator):
     """n hidden states: embeddings of random tokens of the toy vocabulary, [n, dim]."""
-    return vocab[torch.randint(0, VOCAB, (n,), generator=generator).to(device)]
+    return toy_tokens(vocab, n, generator)
 
-
-def look_inside(layer, x, cu_seqlens):
-    """What the layer computes before attention: main q/kv, the indexer's q/k/w, windows, target p."""
-    pos = positions(cu_seqlens)
-    starts, ends = key_windows(cu_seqlens)
-    with torch.no_grad():
-        p = layer.mla.project(x, pos)
-        q, kv = layer.absorbed.absorbed_qkv(p)                # [T, H, r + d_r], [T, r + d_r]
-        q_i, k_i, w_i = layer.indexer.project(x, p.qr, pos)  # [T, H_I, D_I], [T, D_I], [T, H_I]
-        target = indexer_target(q, kv, sm_scale=layer.mla.softmax_scale, starts=starts, ends=ends)
-    return dict(x=x, pos=pos, qr=p.qr, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i, starts=starts, ends=ends,
-                target=target)
-
-
-def indexer_scores(indexer, view):
-    """An indexer's current scores [T, S] for a batch seen by look_inside (no gradient)."""
-    with torch.no_grad():
-        q_i, k_i, w_i = indexer.project(view["x"], view["qr"], view["pos"])
-        return lightning_indexer(q_i, k_i, w_i, starts=view["starts"], ends=view["ends"])
-
-
-def mass_covered(p, idx):
-    """Per query: the part of the target p that the selected keys cover (-1 slots cover nothing)."""
-    return (p.gather(1, idx.clamp_min(0)) * (idx >= 0)).sum(dim=1)
 
 layer = make_layer(seed=0)
 gen = torch.Generator().manual_seed(1)
