@@ -626,12 +626,20 @@ RUN_STYLE = {"dense": ("black", "-"), "dsa": ("tab:blue", "-"), "dsa_no_warmup":
 
 
 def _curve(rows: list[dict], run: str, key: str) -> tuple[list[int], list[float]]:
-    """Mean over seeds of ``key`` at each step of a run (phase (a)'s rows belong to every run)."""
+    """Mean over seeds of ``key`` at each step of a run (phase (a)'s rows belong to every run).
+
+    Where two phases of the run share a step (a phase's end and the next one's step 0), the later
+    phase's value is used: the metric right after the switch.
+    """
     chain = RUNS[run]
+    latest: dict[tuple[int, int], float] = {}
+    for phase in chain:
+        for r in rows:
+            if r["phase"] == phase and r.get(key) is not None:
+                latest[(r["seed"], r["step"])] = r[key]
     by_step: dict[int, list[float]] = {}
-    for r in rows:
-        if r["phase"] in chain and r.get(key) is not None:
-            by_step.setdefault(r["step"], []).append(r[key])
+    for (_, step), value in latest.items():
+        by_step.setdefault(step, []).append(value)
     steps = sorted(by_step)
     return steps, [statistics.fmean(by_step[s]) for s in steps]
 
@@ -645,7 +653,7 @@ def plot_curves(rows: list[dict], path: str | Path, cfg: TrainConfig) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, key, title in zip(axes, ("accuracy", "gold_key_recall", "topk_mass"),
-                              ("answer accuracy", "gold-key recall (last layer)", "dense attention mass on the top-k")):
+                              ("answer accuracy", "gold-key recall (recall layer)", "dense attention mass on the top-k")):
         for run in RUNS:
             steps, values = _curve(rows, run, key)
             if steps:
