@@ -17,10 +17,10 @@ OUT=${OUT:-build/train_gpu}; mkdir -p "$OUT"
 RUN_DIR=${RUN_DIR:-/tmp/dsa_train_gpu_run}
 DEVICE=${DEVICE:-cuda}; BACKEND=${BACKEND:-tilelang}; MODEL=${MODEL:-gpu}
 CONTEXT=${CONTEXT:-8192}; TOPK=${TOPK:-512}; SEEDS=${SEEDS:-1}; BATCH=${BATCH:-4}
-NUM_PAIRS=${NUM_PAIRS:-16}; VOCAB=${VOCAB:-48}
+NUM_PAIRS=${NUM_PAIRS:-8}; VOCAB=${VOCAB:-24}
 SHORT_CONTEXT=${SHORT_CONTEXT:-128}; SHORT_STEPS=${SHORT_STEPS:-150}; STEPS_DENSE=${STEPS_DENSE:-250}
 STEPS_WARMUP=${STEPS_WARMUP:-40}; STEPS_SPARSE=${STEPS_SPARSE:-80}
-EVAL_EVERY=${EVAL_EVERY:-20}; EVAL_BATCH=${EVAL_BATCH:-8}
+EVAL_EVERY=${EVAL_EVERY:-20}; EVAL_BATCH=${EVAL_BATCH:-16}
 
 if [ "$BACKEND" != reference ] && [ -f .gpu/tilelang-0.1.15-cp312-site.tar.xz ]; then
   # the TileLang setup of tools/gpu_session.sh

@@ -4,14 +4,11 @@ DeepSeek-V3.2 turns a dense model into a sparse one in two stages (section 2.1 o
 Here the same recipe runs on a small `dsa_ref.model.DSALanguageModel` and a task of
 `dsa_ref.tasks`, as **phases** that branch from checkpoints:
 
-============  ======================  ===========================================================
-phase         model mode              what learns
-============  ======================  ===========================================================
-(a) dense     ``"dense"``             every parameter except the indexers, from the LM loss
-(b) warm-up   ``"dense_warmup"``      only the indexers, from the dense KL loss; the rest is frozen
-(c) sparse    ``"sparse"``            the model from the LM loss; the indexers from the sparse KL
-                                      (their inputs detached), both in one backward
-============  ======================  ===========================================================
+| phase | model mode | what learns |
+|---|---|---|
+| (a) dense | ``"dense"`` | every parameter except the indexers, from the LM loss |
+| (b) warm-up | ``"dense_warmup"`` | only the indexers, from the dense KL loss; the rest is frozen |
+| (c) sparse | ``"sparse"`` | the model from the LM loss; the indexers from the sparse KL (their inputs detached), in one backward |
 
 The four **runs** of a seed share phase (a), trained once:
 
@@ -85,7 +82,7 @@ class TrainConfig:
     task: str = "mqar"
     context: int = 512
     num_pairs: int = 8
-    vocab_size: int = 96
+    vocab_size: int = 24
     n_layers: int = 2
     dim: int = 128
     n_heads: int = 4
@@ -100,20 +97,20 @@ class TrainConfig:
     mlp_hidden: int = 256
     token_shift: bool = True
     short_context: int = 64
-    short_context_steps: int = 0
-    steps_dense: int = 300
-    steps_warmup: int = 50
-    steps_sparse: int = 100
-    batch_size: int = 16
+    short_context_steps: int = 200
+    steps_dense: int = 260
+    steps_warmup: int = 40
+    steps_sparse: int = 60
+    batch_size: int = 4
     lr: float = 3e-3
     lr_sparse: float = 1e-3
-    lr_indexer: float = 3e-3
+    lr_indexer: float = 1e-2
     warmup_fraction: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     indexer_loss_coeff: float = 1.0
-    eval_every: int = 25
-    eval_batch_size: int = 64
+    eval_every: int = 20
+    eval_batch_size: int = 32
     checkpoint_every: int = 100
     seeds: int = 3
     first_seed: int = 0
@@ -137,7 +134,10 @@ class TrainConfig:
                                  f"steps_dense={self.steps_dense}")
             if self.short_context > self.context:
                 raise ValueError(f"short_context={self.short_context} must not exceed context={self.context}")
-            check_task(self.task, context=self.short_context, num_pairs=self.num_pairs, vocab_size=self.vocab_size)
+            try:
+                check_task(self.task, context=self.short_context, num_pairs=self.num_pairs, vocab_size=self.vocab_size)
+            except ValueError as err:
+                raise ValueError(f"short_context={self.short_context} is too short: {err}") from None
         if self.topk >= self.context:
             raise ValueError(f"topk={self.topk} must be smaller than context={self.context}: "
                              "with topk >= context every key is selected and sparse attention is dense")
@@ -317,12 +317,14 @@ def evaluate(model: DSALanguageModel, batch, mode: str, cfg: TrainConfig) -> dic
 
     * ``lm_loss``, ``accuracy``: cross-entropy and argmax accuracy on the answer tokens;
     * ``indexer_kl``: the layers' mean indexer KL (of the stage: dense or sparse);
-    * ``gold_key_recall``: fraction of answers whose gold key is among the top-k of the last layer
-      (where the recall happens in a 2-layer model; per layer in ``gold_key_recall_layers``);
-    * ``topk_mass``: mean over layers and answers of the share of the *dense* attention's
-      probability (averaged over heads) that falls on the top-k set.
+    * ``gold_key_recall``: fraction of answers whose gold key is among the top-k of the
+      **recall layer** -- the layer whose dense attention puts the most probability on the gold
+      keys (``gold_mass_layers``); per layer in ``gold_key_recall_layers``;
+    * ``topk_mass``: share of the *dense* attention's probability (averaged over heads) that falls
+      on the top-k set, at the answer rows of the recall layer; per layer in ``topk_mass_layers``.
 
-    The indexer metrics are ``None`` in mode ``"dense"`` (no indexer selects).
+    The dense attention is that of the same weights, whatever the mode. The indexer metrics are
+    ``None`` in mode ``"dense"`` (no indexer selects).
     """
     model.eval()
     tokens, targets, gold, cu = pack(batch, cfg.device)
@@ -332,21 +334,26 @@ def evaluate(model: DSALanguageModel, batch, mode: str, cfg: TrainConfig) -> dic
     logits = out.logits[answer]  # [A, V]
     metrics = {"lm_loss": float(F.cross_entropy(logits, targets[answer])),
                "accuracy": float((logits.argmax(-1) == targets[answer]).float().mean()),
-               "indexer_kl": None, "gold_key_recall": None, "gold_key_recall_layers": None, "topk_mass": None}
+               "indexer_kl": None, "gold_key_recall": None, "topk_mass": None, "recall_layer": None,
+               "gold_key_recall_layers": None, "topk_mass_layers": None, "gold_mass_layers": None}
     if mode != "dense":
         rows = answer.nonzero().squeeze(1)  # [A] packed positions of the answers
         recall = [float((topk[rows] == gold[rows, None]).any(-1).float().mean()) for topk in out.topk_indices]
-        masses = [topk_mass(block, h, cu, rows, topk[rows])
+        masses = [dense_attention_mass(block, h, cu, rows, topk[rows], gold[rows])
                   for block, h, topk in zip(model.blocks, out.hidden, out.topk_indices)]
-        metrics.update(indexer_kl=float(torch.stack(out.indexer_losses).mean()), gold_key_recall=recall[-1],
-                       gold_key_recall_layers=recall, topk_mass=sum(masses) / len(masses))
+        topk_masses, gold_masses = [m[0] for m in masses], [m[1] for m in masses]
+        layer = max(range(len(gold_masses)), key=gold_masses.__getitem__)  # the recall layer
+        metrics.update(indexer_kl=float(torch.stack(out.indexer_losses).mean()), gold_key_recall=recall[layer],
+                       topk_mass=topk_masses[layer], recall_layer=layer, gold_key_recall_layers=recall,
+                       topk_mass_layers=topk_masses, gold_mass_layers=gold_masses)
     model.train()
     return metrics
 # --8<-- [end:evaluate]
 
 
-def topk_mass(block, h: torch.Tensor, cu: torch.Tensor, rows: torch.Tensor, topk: torch.Tensor) -> float:
-    """Mean share of the dense attention's probability (over heads) on the selected keys, for query ``rows``.
+def dense_attention_mass(block, h: torch.Tensor, cu: torch.Tensor, rows: torch.Tensor, topk: torch.Tensor,
+                         gold: torch.Tensor) -> tuple[float, float]:
+    """Where a block's *dense* attention (summed over heads, normalised) puts its probability, at query ``rows``.
 
     Args:
         block: a `dsa_ref.model.Block`.
@@ -354,9 +361,13 @@ def topk_mass(block, h: torch.Tensor, cu: torch.Tensor, rows: torch.Tensor, topk
         cu: ``cu_seqlens`` of the packed sequences.
         rows: int ``[R]`` the query rows measured.
         topk: int ``[R, K]`` their selections in packed index space (``-1`` = unused).
+        gold: int ``[R]`` their gold keys in packed index space.
+
+    Returns:
+        ``(topk_mass, gold_mass)``: the mean share of the probability on the selected set, and on the gold key.
     """
     attn = block.attn
-    total, count = 0.0, 0
+    topk_total, gold_total, count = 0.0, 0.0, 0
     for lo, hi, cu_g in sequence_groups(cu, 1):  # one sequence at a time: [R_g, H, L] scores at most
         in_group = (rows >= lo) & (rows < hi)  # [R]
         if not bool(in_group.any()):
@@ -369,12 +380,14 @@ def topk_mass(block, h: torch.Tensor, cu: torch.Tensor, rows: torch.Tensor, topk
         target = indexer_target(q[local], kv, sm_scale=attn.mla.softmax_scale,
                                 starts=starts[local], ends=ends[local])  # [R_g, L] head-summed, normalised
         sel = topk[in_group] - lo  # [R_g, K]; -1 slots become negative
-        covered = torch.zeros_like(target, dtype=torch.bool)  # [R_g, L]
-        valid = sel >= 0
-        covered.scatter_(1, torch.where(valid, sel, torch.zeros_like(sel)), valid)  # a set: duplicates count once
-        total += float(torch.where(covered, target, torch.zeros_like(target)).sum())
+        L = target.shape[1]
+        covered = torch.zeros(target.shape[0], L + 1, dtype=torch.bool, device=target.device)  # [R_g, L + 1]
+        covered.scatter_(1, torch.where(sel >= 0, sel, torch.full_like(sel, L)), True)  # -1 slots go to column L
+        covered = covered[:, :L]  # [R_g, L]: the selected set (a key selected twice counts once)
+        topk_total += float(torch.where(covered, target, torch.zeros_like(target)).sum())
+        gold_total += float(target.gather(1, (gold[in_group] - lo)[:, None]).sum())
         count += int(local.numel())
-    return total / max(count, 1)
+    return topk_total / max(count, 1), gold_total / max(count, 1)
 
 
 # ----------------------------------------------------------------------------- running the phases
@@ -563,18 +576,24 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, stop_after
     return summary
 
 
-METRICS = ("accuracy", "lm_loss", "gold_key_recall", "topk_mass", "indexer_kl", "steps", "seconds")
+METRICS = ("accuracy", "lm_loss", "gold_key_recall", "topk_mass", "indexer_kl", "switch_accuracy", "steps", "seconds")
 
 
 # --8<-- [start:summarise]
 def summarise(cfg: TrainConfig, results: dict, *, command: str | None = None) -> dict:
-    """The final metrics of the four runs: per seed, mean and spread (sample standard deviation)."""
+    """The final metrics of the four runs: per seed, mean and spread (sample standard deviation).
+
+    Besides the final metrics, ``switch_accuracy`` is the accuracy at step 0 of the run's last
+    phase: right after the attention mode changed (``None`` for ``dense``, which has one phase).
+    """
     runs = {}
     for run, chain in RUNS.items():
         per_seed = []
         for seed, states in results.items():
             final = states[chain[-1]].final
+            switch = states[chain[-1]].log[0] if len(chain) > 1 else None  # right after the mode switch
             per_seed.append({"seed": seed, "accuracy": final["accuracy"], "lm_loss": final["lm_loss"],
+                             "switch_accuracy": None if switch is None else switch["accuracy"],
                              "gold_key_recall": final["gold_key_recall"], "topk_mass": final["topk_mass"],
                              "indexer_kl": final["indexer_kl"],
                              "steps": sum(states[p].step for p in chain),
@@ -607,12 +626,20 @@ RUN_STYLE = {"dense": ("black", "-"), "dsa": ("tab:blue", "-"), "dsa_no_warmup":
 
 
 def _curve(rows: list[dict], run: str, key: str) -> tuple[list[int], list[float]]:
-    """Mean over seeds of ``key`` at each step of a run (phase (a)'s rows belong to every run)."""
+    """Mean over seeds of ``key`` at each step of a run (phase (a)'s rows belong to every run).
+
+    Where two phases of the run share a step (a phase's end and the next one's step 0), the later
+    phase's value is used: the metric right after the switch.
+    """
     chain = RUNS[run]
+    latest: dict[tuple[int, int], float] = {}
+    for phase in chain:
+        for r in rows:
+            if r["phase"] == phase and r.get(key) is not None:
+                latest[(r["seed"], r["step"])] = r[key]
     by_step: dict[int, list[float]] = {}
-    for r in rows:
-        if r["phase"] in chain and r.get(key) is not None:
-            by_step.setdefault(r["step"], []).append(r[key])
+    for (_, step), value in latest.items():
+        by_step.setdefault(step, []).append(value)
     steps = sorted(by_step)
     return steps, [statistics.fmean(by_step[s]) for s in steps]
 
@@ -626,7 +653,7 @@ def plot_curves(rows: list[dict], path: str | Path, cfg: TrainConfig) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, key, title in zip(axes, ("accuracy", "gold_key_recall", "topk_mass"),
-                              ("answer accuracy", "gold-key recall (last layer)", "dense attention mass on the top-k")):
+                              ("answer accuracy", "gold-key recall (recall layer)", "dense attention mass on the top-k")):
         for run in RUNS:
             steps, values = _curve(rows, run, key)
             if steps:

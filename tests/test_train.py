@@ -14,7 +14,8 @@ from dsa_ref.train import (RUNS, TrainConfig, build_model, compute_gradients, ma
 
 TINY = dict(context=32, num_pairs=4, vocab_size=24, dim=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_n_heads=2, index_head_dim=8, topk=4,
-            mlp_hidden=48, batch_size=4, eval_batch_size=4, seeds=1, eval_every=2, checkpoint_every=3)
+            mlp_hidden=48, batch_size=4, eval_batch_size=4, seeds=1, eval_every=2, checkpoint_every=3,
+            short_context_steps=0)
 
 
 def tiny(**kw) -> TrainConfig:
@@ -98,7 +99,7 @@ def test_resume_is_exact(tmp_path):
             for d in (tmp_path / "whole", tmp_path / "split")]
     assert rows[0] == rows[1]
     for run in RUNS:
-        for key in ("accuracy", "lm_loss", "gold_key_recall", "steps"):
+        for key in ("accuracy", "lm_loss", "gold_key_recall", "switch_accuracy", "steps"):
             assert whole["runs"][run][key] == split["runs"][run][key]
     assert set(whole["runs"]) == {"dense", "dsa", "dsa_no_warmup", "dense_continued"}
     assert whole["runs"]["dense"]["gold_key_recall"] is None
@@ -117,6 +118,19 @@ def test_config_rejects_bad_values():
         tiny(context=16, num_pairs=4)
     with pytest.raises(ValueError, match="backend"):
         tiny(backend="cuda")
+    with pytest.raises(ValueError, match="short_context_steps=5 must not exceed steps_dense=4"):
+        tiny(short_context_steps=5, steps_dense=4)
+    with pytest.raises(ValueError, match="short_context=16 is too short"):
+        tiny(short_context=16, short_context_steps=2, steps_dense=4)
+
+
+def test_curriculum_trains_on_short_sequences_first(tmp_path):
+    cfg = tiny(short_context=17, short_context_steps=2, steps_dense=3, steps_warmup=0, steps_sparse=0, seeds=1)
+    summary = train(cfg, tmp_path / "c", progress=False)
+    assert summary["runs"]["dense"]["steps"] == 3
+    ckpt = torch.load(tmp_path / "c" / "checkpoints" / "seed0" / "a_dense.pt", weights_only=False)
+    # 2 short steps of 4 * 32 // 17 = 7 sequences of 17 tokens, then 1 step of 4 sequences of 32
+    assert ckpt["tokens"] == 2 * 7 * 17 + 4 * 32
 
 
 @pytest.mark.parametrize("args,names", [
