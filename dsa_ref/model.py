@@ -9,7 +9,10 @@ Tokens are packed (THD, chapter 4.1): ``tokens [T]`` with ``cu_seqlens``. The at
 one of three **modes**:
 
 * ``"dense"`` -- the dense MLA baseline: ``DSAttention``'s MLA weights in their dense form
-  (chapter 1); the indexer does no work and receives no gradient.
+  (chapter 1); the indexer does no work and receives no gradient. With a kernel backend
+  (``"tilelang"``, ``"auto"``) the same attention runs in its absorbed form on the sparse-MLA
+  kernel over every key of the window (`dense_attention_on_kernels`), as the warm-up's does: the
+  readable dense form is far too slow at long context on a GPU.
 * ``"dense_warmup"`` -- `DSAttention` in its dense warm-up stage: the same dense attention over
   the absorbed latent (chapter 2), plus the indexer's scores, its top-k and its KL loss against the
   dense attention.
@@ -27,17 +30,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import dispatch
 from ._checks import check_int, check_rank
 from .config import DSAConfig
 from .dsa import DSAttention, set_indexer_loss_scale
-from .layout import check_cu_seqlens, one_sequence
+from .layout import check_cu_seqlens, key_windows, one_sequence, positions
+from .slot_path import SlotOps
+from .streaming_loss import windowed_attention_on_slots
 from .mla import RMSNorm
 
-__all__ = ["ModelConfig", "SwiGLU", "Block", "DSALanguageModel", "ModelOutput", "MODES", "count_parameters"]
+__all__ = ["ModelConfig", "SwiGLU", "Block", "DSALanguageModel", "ModelOutput", "MODES", "count_parameters",
+           "dense_attention_on_kernels"]
 
 MODES = ("dense", "dense_warmup", "sparse")
 
@@ -143,8 +152,12 @@ class Block(nn.Module):
         outs, losses, topks = [], [], []
         for lo, hi, cu in sequence_groups(cu_seqlens, seqs_per_call):
             h_g = h[lo:hi].to(dtype)  # [T_g, dim]
-            if mode == "dense":
-                outs.append(self.attn.mla(h_g, cu).to(h.dtype))  # [T_g, dim]: dense MLA, no indexer
+            if mode == "dense":  # dense MLA, no indexer
+                if self.attn.backend == "reference":
+                    o = self.attn.mla(h_g, cu)  # [T_g, dim]: the dense form of chapter 1
+                else:
+                    o = dense_attention_on_kernels(self.attn, h_g, cu)  # [T_g, dim]: the same, on the kernels
+                outs.append(o.to(h.dtype))
                 continue
             res = self.attn(h_g, cu, stage=mode)
             outs.append(res.output.to(h.dtype))  # [T_g, dim]
@@ -155,6 +168,31 @@ class Block(nn.Module):
             return out, None, None
         return out, torch.stack(losses).mean(), torch.cat(topks, dim=0)
     # --8<-- [end:attention]
+
+
+def dense_attention_on_kernels(attn: DSAttention, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``attn``'s dense causal MLA without its indexer, through its backend's sparse-MLA kernel.
+
+    The absorbed queries attend to every key of their window as sparse attention over the window's
+    slots (`dsa_ref.streaming_loss.windowed_attention_on_slots`), in query chunks; where the kernel
+    declines (or ``backend="auto"`` without CUDA) `dsa_ref.dispatch.sparse_mla` runs the readable
+    `dsa_ref.sparse_mla` instead. Equal to ``attn.mla(x, cu_seqlens)`` up to rounding.
+
+    Args:
+        attn: the block's `DSAttention`; x: ``[T, dim]``; cu_seqlens: int ``[num_seqs + 1]``.
+
+    Returns:
+        ``[T, dim]``.
+    """
+    cfg = attn.config.mla
+    pos = positions(cu_seqlens)  # [T]
+    starts, ends = key_windows(cu_seqlens)  # [T] each
+    q, kv = attn.absorbed.absorbed_qkv(attn.mla.project(x, pos))  # [T, H, 576], [T, 576]
+    ops = SlotOps(sparse_mla=functools.partial(dispatch.sparse_mla, backend=attn.backend),
+                  attention_head_sum=None, index_scores_at=None)  # only the attention is needed
+    o_latent, _ = windowed_attention_on_slots(q, kv, sm_scale=attn.mla.softmax_scale, d_v=cfg.kv_lora_rank,
+                                              starts=starts, ends=ends, ops=ops)  # [T, H, r]
+    return attn.absorbed.output(o_latent)  # [T, dim]
 
 
 class ModelOutput(NamedTuple):
