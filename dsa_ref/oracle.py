@@ -5,9 +5,10 @@ Public sparse-MLA kernels agree on the math and disagree on everything around it
 | | layout | unused top-k slot | LSE | empty row |
 |---|---|---|---|---|
 | FlashMLA sparse prefill | ``[S_q, H, D]``, kv ``[S_kv, 1, D]``, idx ``[S_q, 1, K]`` | ``< 0`` or ``>= S_kv`` | natural log | ``lse = +inf`` |
-| TileLang ``deepseek_v32`` | ``[B, S, H, D]``, kv ``[B, S_kv, 1, D]`` | ``> query position`` (pads with ``S_kv``) | **base 2** | ``-inf`` |
+| TileLang ``deepseek_v32`` | ``[B, S, H, D]``, kv ``[B, S_kv, 1, D]`` | ``> query position`` (pads with ``S_kv``) | **base 2** | ``-inf``, out NaN |
 | TileLang ``dsa_sparse_finetune`` | packed ``[T, H, D]`` + offsets, per-sequence indices | ``-1`` or ``> position`` | natural log | ``-inf`` |
 | Megatron-LM (absorbed DSA) | ``[S, B, H, D]``, indices ``[B, S, K]`` | ``-1`` | (none returned) | |
+| Megatron-LM TileLang ops | ``[S, H, D]``, kv ``[S_kv, 1, D]``, idx ``[S, 1, K]`` | ``-1`` only | **base 2** | ``lse = 0``, out 0 |
 
 and their default softmax scales are ``576 ** -0.5`` where DeepSeek-V3.2 needs ``192 ** -0.5 * mscale ** 2``.
 Each row is a `Convention` preset here, named after its source, never guessed from the data. An
@@ -45,6 +46,7 @@ __all__ = [
     "TILELANG_DEEPSEEK_V32",
     "TILELANG_SPARSE_FINETUNE",
     "MEGATRON_SBHD",
+    "MEGATRON_TILELANG_OPS",
     "CONVENTIONS",
     "Report",
     "check_sparse_mla",
@@ -95,7 +97,7 @@ class Convention:
         sentinel: which index values mark an unused slot, one of `SENTINELS` (see there).
         lse_base: ``"e"`` (natural log), ``"2"`` (``log2 sum 2^(s * scale * log2 e)``) or ``None`` (the
             kernel returns no LSE).
-        empty_row_lse: the LSE the kernel reports for a row with no valid slot (``-inf`` or ``+inf``).
+        empty_row_lse: the LSE the kernel reports for a row with no valid slot (``-inf``, ``+inf`` or ``0``).
         causal: the kernel itself masks keys after the query's position (``index > position``), so
             such slots contribute nothing even when selected. The position of query ``s`` is
             ``q_start + s`` in ``BSHD``/``SBHD`` and its offset inside its sequence for ``per_sequence``.
@@ -105,6 +107,8 @@ class Convention:
         index_dtype: the index dtype the kernel takes.
         default_sm_scale: what the kernel uses when no scale is passed -- always pass one.
         source: where the convention was read.
+        empty_row_out: what the kernel writes into the output of a row with no valid slot: ``0.0``
+            (the reference) or ``nan`` (a kernel that divides by an empty softmax sum).
     """
 
     name: str
@@ -121,6 +125,7 @@ class Convention:
     index_dtype: torch.dtype
     default_sm_scale: str
     source: str
+    empty_row_out: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -133,8 +138,10 @@ class Convention:
             raise ValueError(f"Convention.sentinel must be one of {sorted(SENTINELS)}, got {self.sentinel!r}")
         if self.lse_base not in LSE_BASES:
             raise ValueError(f"Convention.lse_base must be one of {LSE_BASES}, got {self.lse_base!r}")
-        if self.empty_row_lse not in (-math.inf, math.inf):
-            raise ValueError(f"Convention.empty_row_lse must be -inf or +inf, got {self.empty_row_lse!r}")
+        if self.empty_row_lse not in (-math.inf, math.inf, 0.0):
+            raise ValueError(f"Convention.empty_row_lse must be -inf, +inf or 0.0, got {self.empty_row_lse!r}")
+        if not (self.empty_row_out == 0.0 or math.isnan(self.empty_row_out)):
+            raise ValueError(f"Convention.empty_row_out must be 0.0 or nan, got {self.empty_row_out!r}")
         if self.duplicates not in ("per_slot", "once"):
             raise ValueError(f"Convention.duplicates must be 'per_slot' or 'once', got {self.duplicates!r}")
         if self.sentinel in ("after_position", "minus_one_or_after_position") and not self.causal:
@@ -144,6 +151,7 @@ class Convention:
     def describe(self) -> str:
         """A few lines stating every field, for reports and docs."""
         lse = "none returned" if self.lse_base is None else f"base {self.lse_base}, {self.empty_row_lse} on empty rows"
+        lse += f"; empty rows' output {self.empty_row_out}"
         return (f"{self.name}\n  layout {self.layout}, indices {self.indices_layout} ({self.index_space}, "
                 f"{self.index_dtype}); unused slot: {SENTINELS[self.sentinel]}\n  LSE: {lse}; causal mask in kernel: "
                 f"{self.causal}; duplicate indices count {'once' if self.duplicates == 'once' else 'once per slot'}\n"
@@ -181,11 +189,13 @@ TILELANG_DEEPSEEK_V32 = Convention(
     index_dtype=torch.int32,
     default_sm_scale="576 ** -0.5 (dim + tail_dim); DeepSeek-V3.2 needs 192 ** -0.5 * mscale ** 2",
     source="tile-ai/tilelang examples/deepseek_v32/sparse_mla_fwd.py: mask Indices <= s_i, "
-           "Lse = log2(sumexp) + m * sm_scale * log2(e); the tests pad indices with SKV")
+           "Lse = log2(sumexp) + m * sm_scale * log2(e); the tests pad indices with SKV; a row with no "
+           "valid slot gives out NaN and lse -inf (measured on the H200, shared/peers/README.md)",
+    empty_row_out=math.nan)
 """TileLang's ``deepseek_v32`` example: layout ``BSHD`` (q ``[B, S, H, D]``, kv ``[B, S_kv, 1, D]``, indices
 ``[B, S, 1, K]`` int32 within each batch entry); sentinel: any value ``> q_start + s`` (pad with ``S_kv``; ``-1``
-is an error); LSE **base 2**, ``-inf`` on empty rows; the kernel masks ``index > q_start + s`` itself; a
-repeated key counts per slot."""
+is an error); LSE **base 2**, ``-inf`` on empty rows, whose output is **NaN**; the kernel masks
+``index > q_start + s`` itself; a repeated key counts per slot."""
 
 TILELANG_SPARSE_FINETUNE = Convention(
     name="TileLang examples/dsa_sparse_finetune sparse_mla_fwd",
@@ -212,6 +222,19 @@ MEGATRON_SBHD = Convention(
 ``[B, S, K]`` int64 within each batch entry); sentinel ``-1``; no LSE returned; causal mask on
 ``index <= q_start + s``; a repeated key counts **once** (the selection is a support mask)."""
 
+MEGATRON_TILELANG_OPS = Convention(
+    name="Megatron-LM TileLang DSA ops (sparse_mla_fwd_interface)",
+    layout="THD", indices_layout="[S, 1, K] (kv_group = 1)", indices_group_dim=True, index_space="global",
+    sentinel="minus_one",
+    lse_base="2", empty_row_lse=0.0, causal=False, duplicates="per_slot", pad_value=-1,
+    index_dtype=torch.int32, default_sm_scale="576 ** -0.5 (dim + tail_dim); DeepSeek-V3.2 needs 192 ** -0.5 * mscale ** 2",
+    source="NVIDIA/Megatron-LM core/transformer/experimental_attention_variant/ops (TileLang): only -1 is "
+           "masked (a -2 is read as row 0 and counted), Lse = log2(sumexp) + m * sm_scale * log2(e); rows "
+           "with no valid slot give out 0 and lse 0 (measured on the H200, shared/peers/README.md)")
+"""Megatron-LM's TileLang DSA ops: layout ``THD`` (``[S, H, 576]``; the ``[B, S, H, 576]`` form is the same
+per batch entry), kv ``[S_kv, 1, 576]``, indices ``[S, 1, K]`` int32; sentinel exactly ``-1``; LSE **base 2**,
+**0** on empty rows (whose output is 0); no causal mask; a repeated key counts per slot."""
+
 #: Every preset, by a short name.
 CONVENTIONS: dict[str, Convention] = {
     "dsa_ref": DSA_REF,
@@ -219,6 +242,7 @@ CONVENTIONS: dict[str, Convention] = {
     "tilelang_deepseek_v32": TILELANG_DEEPSEEK_V32,
     "tilelang_sparse_finetune": TILELANG_SPARSE_FINETUNE,
     "megatron_sbhd": MEGATRON_SBHD,
+    "megatron_tilelang_ops": MEGATRON_TILELANG_OPS,
 }
 # --8<-- [end:convention]
 
@@ -570,7 +594,8 @@ def lse_to_natural(lse: torch.Tensor, convention: Convention) -> torch.Tensor:
 
     Base 2 is multiplied by ``ln 2``. If the convention reports empty rows as ``+inf``, the signs of
     the infinities are swapped, so a kernel that follows its convention matches the reference and
-    one that reports the other infinity does not.
+    one that reports the other infinity does not. A convention whose empty rows report ``0`` cannot
+    be told from a real LSE of 0 here; `check_sparse_mla` maps it on the rows it knows are empty.
     """
     convention = _check_convention(convention)
     check_float("lse", lse)
@@ -595,6 +620,8 @@ def lse_from_natural(lse: torch.Tensor, convention: Convention) -> torch.Tensor:
         x = torch.where(torch.isfinite(x), x / LN2, x)
     if convention.empty_row_lse == math.inf:
         x = torch.where(torch.isinf(x), -x, x)
+    elif convention.empty_row_lse == 0.0:
+        x = torch.where(torch.isneginf(x), torch.zeros_like(x), x)
     return x
 
 
@@ -679,6 +706,8 @@ def reference_kernel(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *
     g, q_ref, kv_ref, idx_ref, _ = _reference_inputs(q, kv, indices, convention, cu_seqlens=cu_seqlens,
                                                      q_start=q_start, topk_length=topk_length, dtype=compute_dtype)
     out, lse = sparse_mla(q_ref, kv_ref, idx_ref, sm_scale=sm_scale, d_v=d_v)
+    empty = torch.isneginf(lse)[..., None]  # [T, H, 1]: rows with no valid slot
+    out = torch.where(empty, torch.full_like(out, convention.empty_row_out), out)  # the convention's marker
     out = from_thd(out, convention.layout, batch=g.B).to(q.dtype)
     if convention.lse_base is None:
         return out, None
@@ -728,6 +757,8 @@ def check_sparse_mla(kernel_out: torch.Tensor, kernel_lse: torch.Tensor | None, 
     if tuple(kernel_out.shape) != tuple(expected_out.shape):
         raise ValueError(f"kernel_out has shape {tuple(kernel_out.shape)}, expected {tuple(expected_out.shape)} "
                          f"({convention.layout} with d_v={d_v})")
+    empty = from_thd(torch.isneginf(lse_ref), convention.layout, batch=g.B)  # rows with no valid slot
+    kernel_out = _empty_rows_as_reference(kernel_out, empty[..., None], convention.empty_row_out, 0.0)
     comparisons = [compare(kernel_out, expected_out, name="out", tol=tol)]
     if kernel_lse is not None:
         check_float("kernel_lse", kernel_lse)
@@ -735,6 +766,8 @@ def check_sparse_mla(kernel_out: torch.Tensor, kernel_lse: torch.Tensor | None, 
         if tuple(kernel_lse.shape) != tuple(expected_lse.shape):
             raise ValueError(f"kernel_lse has shape {tuple(kernel_lse.shape)}, expected {tuple(expected_lse.shape)}")
         natural = lse_to_natural(kernel_lse, convention).to(kernel_lse.dtype)  # float32 rounding: ~6e-8 rel.
+        if convention.empty_row_lse == 0.0:
+            natural = _empty_rows_as_reference(natural, empty, 0.0, -math.inf)
         comparisons.append(compare(natural, expected_lse, name="lse",
                                    tol=LSE_TOLERANCE if lse_tol is None else lse_tol, head_dim=expected_lse.dim() - 1))
     notes = stats.notes(convention)
@@ -742,6 +775,17 @@ def check_sparse_mla(kernel_out: torch.Tensor, kernel_lse: torch.Tensor | None, 
         notes.append("kernel LSE is base 2: compared as lse * ln 2")
     return Report("sparse_mla", convention, comparisons, notes)
 # --8<-- [end:check_sparse_mla]
+
+
+def _empty_rows_as_reference(x: torch.Tensor, empty: torch.Tensor, marker: float, reference: float) -> torch.Tensor:
+    """On the rows the reference knows are ``empty``: the convention's ``marker`` becomes the reference's
+    value, and any other value becomes NaN, so the comparison flags a kernel that breaks its convention
+    (say ``-inf`` where it promises 0). Elsewhere ``x`` is unchanged."""
+    if marker == reference or (math.isnan(marker) and math.isnan(reference)):
+        return x
+    is_marker = torch.isnan(x) if math.isnan(marker) else x == marker
+    fixed = torch.where(is_marker, torch.full_like(x, reference), torch.full_like(x, math.nan))
+    return torch.where(empty, fixed, x)
 
 
 def check_sparse_mla_backward(kernel_dq: torch.Tensor, kernel_dkv: torch.Tensor, d_out: torch.Tensor,

@@ -22,6 +22,7 @@ from dsa_ref.oracle import (
     DSA_REF,
     FLASHMLA_SPARSE_PREFILL,
     MEGATRON_SBHD,
+    MEGATRON_TILELANG_OPS,
     TILELANG_DEEPSEEK_V32,
     TILELANG_SPARSE_FINETUNE,
     Convention,
@@ -101,6 +102,7 @@ def tilelang_v32_kernel(q, kv, indices, sm_scale, d_v, *, bug=None, q_start=0):
         idx = torch.where(used, idx, torch.full_like(idx, -1))
         scale = WRONG_SCALE if bug == "scale" else sm_scale
         o, lse = sparse_mla(q[b], kv[b, :, 0], idx, sm_scale=scale, d_v=d_v)
+        o = torch.where(torch.isneginf(lse)[..., None], torch.full_like(o, math.nan), o)  # empty rows: NaN
         outs.append(o)
         lses.append(lse if bug == "natural_lse" else lse * LOG2E)
     return torch.stack(outs), torch.stack(lses)
@@ -120,6 +122,18 @@ def tilelang_finetune_kernel(q, kv, indices, offsets, sm_scale, d_v, *, bug=None
     out, lse = sparse_mla(q, kv[:, 0], glob, sm_scale=sm_scale, d_v=d_v)
     assert out.shape[0] == T
     return out, lse
+
+
+def megatron_ops_kernel(q, kv, indices, sm_scale, d_v, *, bug=None):
+    """Megatron's TileLang sparse_mla_fwd_interface: q [S, H, D], kv [S_kv, 1, D], indices [S, 1, K] int32,
+    only -1 unused; base-2 LSE; a row with no valid slot gives out 0 and lse 0."""
+    idx = indices[:, 0].long()
+    out, lse = sparse_mla(q, kv[:, 0], idx, sm_scale=sm_scale, d_v=d_v)
+    empty = torch.isneginf(lse)
+    if bug == "nan_out":
+        out = torch.where(empty[..., None], torch.full_like(out, math.nan), out)
+    lse2 = torch.where(empty, torch.full_like(lse, -math.inf if bug == "neg_inf_lse" else 0.0), lse * LOG2E)
+    return out, lse2
 
 
 def megatron_kernel(q, kv, indices, sm_scale, d_v, *, bug=None):
@@ -320,6 +334,46 @@ def test_duplicate_semantics_differ_between_conventions():
     assert not check_sparse_mla(out, None, q, kv, idx, convention=per_slot, sm_scale=SCALE, d_v=DV).ok
 
 
+# ------------------------------------------------------------------------------ Megatron's TileLang ops
+
+
+def _megatron_ops_case(seed=0):
+    """The FlashMLA case with every unused slot written as -1 (the only sentinel these ops know)."""
+    q, kv, idx = _flashmla_case(seed)
+    idx = torch.where((idx < 0) | (idx >= kv.shape[0]), torch.full_like(idx, -1), idx)
+    return q, kv, idx
+
+
+def test_megatron_ops_adapter_passes_a_correct_kernel():
+    q, kv, idx = _megatron_ops_case()
+    out, lse = megatron_ops_kernel(q, kv, idx, SCALE, DV)
+    assert (lse[4] == 0).all() and (out[4] == 0).all()  # the empty row, as the ops report it
+    rep = check_sparse_mla(out, lse, q, kv, idx, convention=MEGATRON_TILELANG_OPS, sm_scale=SCALE, d_v=DV)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("bug", ["nan_out", "neg_inf_lse"])
+def test_megatron_ops_adapter_catches_the_wrong_empty_row_markers(bug):
+    q, kv, idx = _megatron_ops_case()
+    out, lse = megatron_ops_kernel(q, kv, idx, SCALE, DV, bug=bug)
+    rep = check_sparse_mla(out, lse, q, kv, idx, convention=MEGATRON_TILELANG_OPS, sm_scale=SCALE, d_v=DV)
+    assert not rep.ok, f"planted bug {bug!r} was not caught:\n{rep}"
+
+
+def test_tilelang_v32_empty_rows_are_nan_by_its_convention():
+    """TileLang's example writes NaN into rows with no valid slot: its preset accepts that, and
+    only there (a NaN in a row that has valid slots is still a failure)."""
+    q, kv, idx = _v32_case()
+    idx[0, 3, 0, :] = 10  # every slot past the position: an empty row
+    out, lse = tilelang_v32_kernel(q, kv, idx, SCALE, DV)
+    assert torch.isnan(out[0, 3]).all()
+    rep = check_sparse_mla(out, lse, q, kv, idx, convention=TILELANG_DEEPSEEK_V32, sm_scale=SCALE, d_v=DV)
+    assert rep.ok, str(rep)
+    out[0, 5, 0, 0] = math.nan
+    rep = check_sparse_mla(out, lse, q, kv, idx, convention=TILELANG_DEEPSEEK_V32, sm_scale=SCALE, d_v=DV)
+    assert not rep.ok
+
+
 # ------------------------------------------------------------------------------ reference_kernel
 
 
@@ -346,6 +400,11 @@ def test_reference_kernel_equals_the_hand_written_fake(name):
         q, kv = q.to(**f64), kv.to(**f64)
         exp = tilelang_finetune_kernel(q, kv, idx, cu, SCALE, DV)
         got = reference_kernel(q, kv, idx, convention=conv, sm_scale=SCALE, d_v=DV, cu_seqlens=cu)
+    elif name == "megatron_tilelang_ops":
+        q, kv, idx = _megatron_ops_case()
+        q, kv = q.to(**f64), kv.to(**f64)
+        exp = megatron_ops_kernel(q, kv, idx, SCALE, DV)
+        got = reference_kernel(q, kv, idx, convention=conv, sm_scale=SCALE, d_v=DV)
     else:
         q, kv, idx = _megatron_case()
         q, kv = q.to(**f64), kv.to(**f64)
