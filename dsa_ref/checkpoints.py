@@ -35,7 +35,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .config import DSAConfig, IndexerConfig, MLAConfig, RopeConfig, yarn_mscale
 from .dsa import DSAttention

@@ -50,7 +50,7 @@ from .dispatch import check_backend
 from .indexer_loss import indexer_target
 from .layout import key_windows, positions
 from .model import DSALanguageModel, ModelConfig, count_parameters, sequence_groups
-from .tasks import IGNORE, TASKS, check_task, make_batch
+from .tasks import IGNORE, check_task, make_batch
 
 __all__ = ["TrainConfig", "Phase", "RUNS", "phases", "build_model", "train", "evaluate", "train_step", "compute_gradients",
            "make_optimizer", "summarise", "plot_curves"]

@@ -18,15 +18,15 @@ weights, the inputs, and the CP results put back into global token order.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: gloo_ranks
+from gloo_ranks import run_ranks  # noqa: E402
 
 try:
     import dsa_ref  # noqa: F401
@@ -125,16 +125,6 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _forked(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        status = worker(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-    if status:
-        raise SystemExit(status)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=int, default=2, help="ranks to fork (ignored under torch.distributed.run)")
@@ -149,22 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torch.distributed.run
-        dist.init_process_group("gloo")
-        try:
-            return worker(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
-    # fork starts a rank in milliseconds; spawn would re-import torch in every rank
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            mp.start_processes(_forked, args=(args.cp, os.path.join(d, "init"), args), nprocs=args.cp,
-                               join=True, start_method=method)
-        except mp.ProcessExitedException as e:
-            print(f"a rank failed: {e}", file=sys.stderr)
-            return 1
-    return 0
+    return run_ranks(worker, args.cp, args)
 
 
 if __name__ == "__main__":
