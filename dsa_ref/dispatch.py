@@ -45,28 +45,36 @@ def kernels_available() -> tuple[bool, str]:
     return kernels.available()
 
 
-def _run(op: str, backend: str, reference: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device):
+def _from_kernels(name: str, backend: str, device: torch.device, build: Callable[[Any], Any]) -> Any | None:
+    """``build(kernels)`` when the kernels can run here and accept the call, else ``None``.
+
+    ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run or decline) means:
+    take the readable path; the reason is logged once, at debug level. ``backend="tilelang"``
+    raises instead of returning ``None``.
+    """
     check_backend(backend)
     if backend == "reference":
-        return reference(*args, **kwargs)
-    if device.type != "cuda":
-        reason = f"inputs are on {device}, not CUDA"
-        ok = False
-    else:
-        ok, reason = kernels_available()
+        return None
+    ok, reason = (False, f"inputs are on {device}, not CUDA") if device.type != "cuda" else kernels_available()
     if ok:
         from . import kernels
 
-        result = getattr(kernels, op)(*args, **kwargs)
+        result = build(kernels)
         if result is not None:
             return result
-        reason = f"the {op} kernel declined these shapes"
+        reason = f"the kernels of {name} declined these shapes"
     if backend == "tilelang":
-        raise RuntimeError(f"backend='tilelang' was asked for {op}, but {reason}")
-    if op + reason not in _said:
-        _said.add(op + reason)
-        _log.debug("dsa_ref: %s falls back to the reference: %s", op, reason)
-    return reference(*args, **kwargs)
+        raise RuntimeError(f"backend='tilelang' was asked for {name}, but {reason}")
+    if name + reason not in _said:
+        _said.add(name + reason)
+        _log.debug("dsa_ref: %s takes the readable path: %s", name, reason)
+    return None
+
+
+def _run(op: str, backend: str, reference: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device):
+    """``dsa_ref.kernels.<op>(*args, **kwargs)`` where the backend allows and the kernel accepts, else ``reference``."""
+    result = _from_kernels(op, backend, device, lambda kernels: getattr(kernels, op)(*args, **kwargs))
+    return reference(*args, **kwargs) if result is None else result
 
 
 def sparse_mla(q, kv, indices, *, sm_scale, d_v=512, backend="reference"):
@@ -92,26 +100,8 @@ def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i):
     ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means: take the
     readable steps of chapter 3. ``backend="tilelang"`` raises instead when they cannot run.
     """
-    check_backend(backend)
-    if backend == "reference":
-        return None
-    if q.device.type != "cuda":
-        ok, reason = False, f"inputs are on {q.device}, not CUDA"
-    else:
-        ok, reason = kernels_available()
-    if ok:
-        from . import kernels
-
-        ops = kernels.slot_ops(q, kv, q_i, k_i, w_i)
-        if ops is not None:
-            return ops
-        reason = "the slot-path kernels declined these shapes"
-    if backend == "tilelang":
-        raise RuntimeError(f"backend='tilelang' was asked for the layer's kernels, but {reason}")
-    if "slot_ops" + reason not in _said:
-        _said.add("slot_ops" + reason)
-        _log.debug("dsa_ref: DSAttention takes the readable path: %s", reason)
-    return None
+    return _from_kernels("the layer's slot path", backend, q.device,
+                         lambda kernels: kernels.slot_ops(q, kv, q_i, k_i, w_i))
 
 
 def chunk_selector(backend: str, *, q_i, k_i, w_i):
@@ -120,23 +110,5 @@ def chunk_selector(backend: str, *, q_i, k_i, w_i):
     ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means the
     readable key-tiled selector; ``backend="tilelang"`` raises instead when the kernels cannot run.
     """
-    check_backend(backend)
-    if backend == "reference":
-        return None
-    if q_i.device.type != "cuda":
-        ok, reason = False, f"inputs are on {q_i.device}, not CUDA"
-    else:
-        ok, reason = kernels_available()
-    if ok:
-        from . import kernels
-
-        select = kernels.chunk_selector(q_i, k_i, w_i)
-        if select is not None:
-            return select
-        reason = "the indexer kernel declined these shapes"
-    if backend == "tilelang":
-        raise RuntimeError(f"backend='tilelang' was asked for the top-k selection, but {reason}")
-    if "chunk_selector" + reason not in _said:
-        _said.add("chunk_selector" + reason)
-        _log.debug("dsa_ref: the top-k selection takes the readable path: %s", reason)
-    return None
+    return _from_kernels("the top-k selection", backend, q_i.device,
+                         lambda kernels: kernels.chunk_selector(q_i, k_i, w_i))
