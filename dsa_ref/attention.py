@@ -273,18 +273,56 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     S = k.shape[0]
     mha = k.dim() == 3
     chunk = auto_chunk_size(T, H * S, chunk_size)
-    if starts is not None:  # bound the ragged keys' [C, R, (H,) D] selection too: R < C for causal rows
+    plain = _plain_attend(acc, sm_scale, mha, q.dtype)
+    if starts is None:  # no mask: every query reads every key
+        return run_chunked(plain, T, chunk, (q, None, None), (k, v))
+    # Keys that are not ordinary numbers (NaN, Inf, huge: garbage) are zeroed by selection first, so
+    # one masked product per chunk is exact for every query that does not read them: a masked
+    # probability is exactly 0 and so is its product with an ordinary key (no 0 * NaN).
+    bad = ~(ordinary_rows(k) & ordinary_rows(v))  # [S]
+    if not bool(bad.any()):
+        return run_chunked(plain, T, chunk, (q, starts, ends), (k, v))
+    keep = ~bad.view(-1, *([1] * (k.dim() - 1)))  # [S, 1(, 1)]
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    out, lse = run_chunked(plain, T, chunk, (q, starts, ends), (torch.where(keep, k, zero), torch.where(keep, v, zero)))
+    # The queries that read a garbage key get it, exactly: their windows' keys are gathered per query.
+    readers = _reads_any(bad, starts, ends).nonzero().flatten()  # [R]
+    if readers.numel():
         per_key = (H if mha else 1) * (k.shape[-1] + v.shape[-1])
-        chunk = min(chunk, max(1, int((DEFAULT_CHUNK_ELEMENTS / per_key) ** 0.5))) if chunk_size is None else chunk
+        chunk_r = chunk if chunk_size is not None else min(
+            chunk, max(64, 4 * H * S // per_key), max(1, int((DEFAULT_CHUNK_ELEMENTS / per_key) ** 0.5)))
+        r_starts, r_ends = starts[readers], ends[readers]
+        out_r, lse_r = run_chunked(_selecting_attend(acc, sm_scale, mha, q.dtype), readers.numel(), chunk_r,
+                                   (q[readers], r_starts, r_ends), (k, v), breaks=window_breaks(r_starts))
+        out, lse = out.index_put((readers,), out_r), lse.index_put((readers,), lse_r)
+    return out, lse
+
+
+def ordinary_rows(x: torch.Tensor) -> torch.Tensor:
+    """Bool ``[S]``: rows of ``x [S, ...]`` whose entries are all finite and at most `ORDINARY_MAX` in magnitude.
+
+    For such keys and values a masked probability (exactly 0) times the key or value is exactly 0,
+    in forward and in backward, so a masked matrix product equals the product with the masked keys
+    zeroed, bit for bit. Garbage (NaN, Inf, 1e30) is not ordinary.
+    """
+    flat = x.flatten(1) if x.dim() > 1 else x[:, None]  # [S, F]
+    if flat.shape[0] == 0 or flat.shape[1] == 0:
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    return torch.isfinite(flat).all(dim=1) & (flat.abs().amax(dim=1) <= ORDINARY_MAX)
+
+
+def _reads_any(rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Bool ``[T]``: whether window ``[starts[t], ends[t])`` holds any of the marked ``rows [S]``."""
+    count = torch.cat([rows.new_zeros(1, dtype=torch.int64), rows.long().cumsum(0)])  # [S + 1]
+    lo, hi = starts.clamp(0, rows.numel()), ends.clamp(0, rows.numel())
+    return count[torch.maximum(hi, lo)] - count[lo] > 0  # an empty window (hi <= lo) reads nothing
+
+
+def _selecting_attend(acc: torch.dtype, sm_scale: float, mha: bool, out_dtype: torch.dtype):
+    """A chunk of windowed attention that selects each query's keys with ``where`` (any key values)."""
 
     def attend(q_c, starts_c, ends_c, k_, v_):
         q_c, k_, v_ = q_c.to(acc), k_.to(acc), v_.to(acc)
-        if starts_c is None:  # no mask: every key, as it is
-            k_all, v_all = k_, v_
-            scores = torch.einsum("thd,shd->ths" if mha else "thd,sd->ths", q_c, k_all) * sm_scale  # [C, H, S]
-            probs, lse = masked_softmax_with_lse(scores, None)  # [C, H, S], [C, H]
-            out = torch.einsum("ths,shv->thv" if mha else "ths,sv->thv", probs, v_all)  # [C, H, D_v]
-            return out.to(q.dtype), lse
         keys = split_window_keys(starts_c, ends_c)
         k_common, k_ragged = keys.select(k_)  # [L, (H,) D], [C, R, (H,) D]
         v_common, v_ragged = keys.select(v_)  # [L, (H,) D_v], [C, R, (H,) D_v]
@@ -296,9 +334,31 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
         p_common, p_ragged = probs.split([k_common.shape[0], k_ragged.shape[1]], dim=-1)
         out = (torch.einsum("ths,shv->thv" if mha else "ths,sv->thv", p_common, v_common)
                + torch.einsum("thr,trhv->thv" if mha else "thr,trv->thv", p_ragged, v_ragged))  # [C, H, D_v]
-        return out.to(q.dtype), lse
+        return out.to(out_dtype), lse
 
-    return run_chunked(attend, T, chunk, (q, starts, ends), (k, v), breaks=window_breaks(starts))
+    return attend
+
+
+#: Largest magnitude `ordinary_rows` accepts: products of such values with the other operands of an
+#: attention (and their gradients) stay far from float32's overflow at 3.4e38.
+ORDINARY_MAX = 2.0**64
+
+
+def _plain_attend(acc: torch.dtype, sm_scale: float, mha: bool, out_dtype: torch.dtype):
+    """A chunk of windowed attention as one masked product over all keys (ordinary keys only)."""
+
+    def attend(q_c, starts_c, ends_c, k_, v_):
+        q_c, k_, v_ = q_c.to(acc), k_.to(acc), v_.to(acc)
+        scores = torch.einsum("thd,shd->ths" if mha else "thd,sd->ths", q_c, k_) * sm_scale  # [C, H, S]
+        valid = None
+        if starts_c is not None:
+            key = torch.arange(k_.shape[0], device=q_c.device)  # [S]
+            valid = ((key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None]))[:, None, :]  # [C, 1, S]
+        probs, lse = masked_softmax_with_lse(scores, valid)  # [C, H, S], [C, H]
+        out = torch.einsum("ths,shv->thv" if mha else "ths,sv->thv", probs, v_)  # [C, H, D_v]
+        return out.to(out_dtype), lse
+
+    return attend
 
 
 def dense_mla_attention(q: torch.Tensor, kv: torch.Tensor, *, sm_scale: float, d_v: int = 512,

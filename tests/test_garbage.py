@@ -197,7 +197,9 @@ def test_dsattention_documents_never_mix(junk, stage):
     ob, lb, tb, gb = run(dirty)
     assert torch.equal(oa[:12], ob[:12]) and torch.equal(ta[:12], tb[:12])
     assert torch.equal(la, lb)
-    assert torch.equal(ga[:12], gb[:12])
+    # the garbage tokens are read by their own document's queries, which take the selecting path of
+    # dense_mla_attention: autograd then sums the first document's input gradient in another order
+    torch.testing.assert_close(gb[:12], ga[:12], rtol=0, atol=1e-14)
 
 
 # --- empty inputs ---------------------------------------------------------------------------------
