@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml tools/install_torch.sh
 
 test: $(STAMP)
 	mkdir -p build
-	$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --nbmake \
+	$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --nbmake --nbmake-timeout=900 \
 		--junitxml=build/junit.xml tests notebooks $(PYTEST_ARGS)
 
 docs: $(STAMP)
