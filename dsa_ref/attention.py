@@ -18,10 +18,12 @@ the chunk's inputs and recomputes its ``[chunk, H, S]`` scores in backward.
 Inf, the rest of a KV cache): the query's output, its LSE and every gradient are exactly what they
 are with that key zeroed, and the key's own gradient is exactly 0. Masking the *scores* is not
 enough for that: a probability of 0 times a NaN value is NaN, in forward and in backward. So keys
-are masked by *selection*: within a chunk of queries, the keys every query of the chunk sees are
-used as they are, and the few keys only some of them see are gathered per query with
-``torch.where`` (`split_window_keys`, `select_rows`), so a query's arithmetic never touches a key
-outside its window.
+that are not ordinary numbers (`ordinary_rows`: NaN, Inf, huge) are first zeroed by *selection*
+(``torch.where``); then a masked probability is exactly 0 and so is its product with any key left,
+and one masked product per chunk is exact for every query that does not read garbage. The queries
+whose windows do hold garbage get it through a path that gathers each query's keys with
+``torch.where`` (`split_window_keys`, `select_rows`), so their arithmetic never touches a key
+outside their own window either.
 """
 
 from __future__ import annotations
