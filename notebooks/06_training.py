@@ -1,10 +1,5 @@
 # ---
 # jupyter:
-#   jupytext:
-#     formats: ipynb,py:percent
-#     text_representation:
-#       extension: .py
-#       format_name: percent
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -25,7 +20,7 @@
 # 4. the curves: answer accuracy, how often the indexer selects the gold key, and how much of the
 #    dense attention the top-k set covers.
 #
-# On a CPU this is a **small run** (context 256, one seed, a minute or two) so that the notebook
+# On a CPU this is a **small run** (context 256, one seed, about three minutes) so that the notebook
 # stays quick; the chapter page shows the measured results of the full CPU run (context 512, three
 # seeds) and of an H200 run. On a GPU the notebook trains at context 4096 with the TileLang kernels
 # when they can run.
@@ -77,7 +72,7 @@ if GPU:
                       short_context=128, short_context_steps=120, steps_dense=200, steps_warmup=40,
                       steps_sparse=60, eval_every=20, eval_batch_size=8, device="cuda", backend="auto",
                       attn_dtype="bfloat16", checkpoint_every=1000)
-else:  # a small CPU run: about a minute or two on 2 cores
+else:  # a small CPU run: about three minutes on one core
     cfg = TrainConfig(context=256, topk=16, num_pairs=8, vocab_size=24, batch_size=8, seeds=1,
                       short_context=64, short_context_steps=120, steps_dense=160, steps_warmup=30,
                       steps_sparse=40, eval_every=20, eval_batch_size=32, checkpoint_every=1000)
