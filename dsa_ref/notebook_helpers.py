@@ -7,6 +7,13 @@ chapters 1 and 2.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 import torch
 
 from .config import DSAConfig
@@ -15,7 +22,8 @@ from .indexer import lightning_indexer
 from .indexer_loss import indexer_target
 from .layout import key_windows, positions
 
-__all__ = ["check_close", "sharpened_layer", "toy_tokens", "look_inside", "indexer_scores", "mass_covered"]
+__all__ = ["check_close", "sharpened_layer", "toy_tokens", "look_inside", "indexer_scores", "mass_covered",
+           "run_gloo_demo"]
 
 
 def check_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-12) -> float:
@@ -72,3 +80,25 @@ def mass_covered(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     ``-1`` slots cover nothing (selected out with ``where``)."""
     picked = p.gather(1, torch.where(idx >= 0, idx, torch.zeros_like(idx)))  # [T, K]
     return torch.where(idx >= 0, picked, torch.zeros_like(picked)).sum(dim=1)
+
+
+def run_gloo_demo(script: str, *args: str) -> Path:
+    """Run ``tools/<script>`` (a demo that forks its gloo ranks) with ``--save``; return the saved file.
+
+    Prints the demo's output and the wall time; raises ``RuntimeError`` with the end of its error
+    output if a rank fails. The demos live in the source checkout, not in the installed package.
+    """
+    root = Path(__file__).resolve().parents[1]
+    path = root / "tools" / script
+    assert path.is_file(), f"{path} not found: run this notebook from a source checkout of dsa_ref"
+    saved = Path(tempfile.mkdtemp()) / "run.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(path), *args, "--save", str(saved)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    print(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} exited with status {proc.returncode}:\n{proc.stderr[-3000:]}")
+    print(f"{time.perf_counter() - t0:.1f} s including process start-up")
+    return saved

@@ -141,6 +141,16 @@ def tiled_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: 
 # --8<-- [end:tiled_select]
 
 
+def checked_windows(starts: torch.Tensor | None, ends: torch.Tensor | None, num_queries: int, num_keys: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`check_windows`, with ``None`` (no mask) spelled out as every key: int64 ``[T]`` starts and ends."""
+    windows = check_windows(starts, ends, num_queries, num_keys)
+    if windows is not None:
+        return windows
+    return (torch.zeros(num_queries, dtype=torch.int64, device=device),
+            torch.full((num_queries,), num_keys, dtype=torch.int64, device=device))
+
+
 # --8<-- [start:streamed_topk_indices]
 @torch.no_grad()
 def streamed_topk_indices(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
@@ -170,12 +180,7 @@ def streamed_topk_indices(q: torch.Tensor, k: torch.Tensor, weights: torch.Tenso
     check_same_device(q=q, k=k, weights=weights, starts=starts, ends=ends)
     topk = check_positive_int("topk", topk)
     S = k.shape[0]
-    windows = check_windows(starts, ends, T, S)
-    if windows is None:
-        starts = torch.zeros(T, dtype=torch.int64, device=q.device)
-        ends = torch.full((T,), S, dtype=torch.int64, device=q.device)
-    else:
-        starts, ends = windows
+    starts, ends = checked_windows(starts, ends, T, S, q.device)
     if chunk_selector is None:
         key_tile = DEFAULT_KEY_TILE if key_tile is None else check_positive_int("key_tile", key_tile)
         chunk_selector = lambda *a, **kw: tiled_select(*a, **kw, key_tile=key_tile)  # noqa: E731

@@ -51,12 +51,13 @@ from collections.abc import Callable
 
 import torch
 
-from ._checks import check_positive_int, check_same_device, check_scale, check_windows
+from ._checks import check_positive_int, check_same_device, check_scale
 from .attention import DEFAULT_CHUNK_ELEMENTS
 from .indexer import _check_indexer_operands, lightning_indexer
 from .indexer_loss import _REDUCTIONS, _reduce, indexer_loss_on_slots
 from .slot_path import SlotOps, check_row_mask, window_indices
-from .streaming import DEFAULT_KEY_TILE, KERNEL_SCORE_ELEMENTS, chunk_key_ranges, row_chunks, shift_windows
+from .streaming import (DEFAULT_KEY_TILE, KERNEL_SCORE_ELEMENTS, checked_windows, chunk_key_ranges, row_chunks,
+                        shift_windows)
 
 __all__ = ["streamed_indexer_loss", "block_plan", "readable_block", "slot_block", "tile_slots",
            "windowed_attention_on_slots"]
@@ -262,12 +263,7 @@ def streamed_indexer_loss(q_i: torch.Tensor, k_i: torch.Tensor, w_i: torch.Tenso
         raise ValueError(f"expected q [T={T}, H, D], kv [S={k_i.shape[0]}, D] and lse [T, H], got "
                          f"{tuple(q.shape)}, {tuple(kv.shape)}, {tuple(lse.shape)}")
     S = k_i.shape[0]
-    windows = check_windows(starts, ends, T, S)
-    if windows is None:
-        starts = torch.zeros(T, dtype=torch.int64, device=q_i.device)
-        ends = torch.full((T,), S, dtype=torch.int64, device=q_i.device)
-    else:
-        starts, ends = windows
+    starts, ends = checked_windows(starts, ends, T, S, q_i.device)
     check_row_mask(row_mask, T)
     if row_mask is not None:
         ends = torch.where(row_mask, ends, starts)  # a masked row has an empty window: no key, no loss

@@ -25,20 +25,13 @@
 # and ends with assertions.
 
 # %%
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-import dsa_ref
 from dsa_ref import DSAttention, cp_shard_index, deepseek_v32, key_windows, positions, tiny, window_mask
 from dsa_ref.context_parallel import global_order
+from dsa_ref.notebook_helpers import run_gloo_demo
 
 torch.set_num_threads(1)
 dtype = torch.float64
@@ -271,19 +264,7 @@ print(f"max |reordered gather - full run| = {reorder_err:.1e}")
 # process per rank.
 
 # %%
-root = Path(dsa_ref.__file__).resolve().parents[1]
-script = root / "tools" / "cp_gloo_demo.py"
-assert script.is_file(), f"{script} not found: run this notebook from a source checkout of dsa_ref"
-saved = Path(tempfile.mkdtemp()) / "cp_run.pt"
-env = dict(os.environ, OMP_NUM_THREADS="1",
-           PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-cmd = [sys.executable, str(script), "--cp", "2", "--lengths", "12,4,0,32", "--save", str(saved)]
-t0 = time.perf_counter()
-proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-print(proc.stdout)
-if proc.returncode != 0:
-    print(proc.stderr[-3000:])
-print(f"exit status {proc.returncode}, {time.perf_counter() - t0:.1f} s including process start-up")
+saved = run_gloo_demo("cp_gloo_demo.py", "--cp", "2", "--lengths", "12,4,0,32")
 
 # %%
 run = torch.load(saved, weights_only=True)
@@ -384,7 +365,6 @@ assert all(i > 1.0 for i in imbalance["contiguous"][1:])
 # the all-gather in rank order + argsort is the global KV
 assert sorted(order.tolist()) == list(range(T)) and reorder_err < 1e-12
 # two real gloo ranks equal the single process
-assert proc.returncode == 0, proc.stderr[-2000:]
 assert all(e < 1e-10 for e in nb_errors.values()), nb_errors
 assert same_topk
 assert abs(shares.sum() - ref.indexer_loss.item()) < 1e-12

@@ -25,13 +25,6 @@
 # numbers are summed where, not about speed.
 
 # %%
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -39,6 +32,7 @@ import torch
 import dsa_ref
 from dsa_ref import DSAttention, deepseek_v32, tiny
 from dsa_ref.tensor_parallel import SPLIT_DIMS, parameter_kind, tp_collective_bytes
+from dsa_ref.notebook_helpers import run_gloo_demo
 
 torch.set_num_threads(1)
 dtype = torch.float64
@@ -164,19 +158,7 @@ print(f"normalise, then all-reduce: row sums {wrong.sum(-1).min().item():.3f} ..
 # the same with one process per rank.
 
 # %%
-root = Path(dsa_ref.__file__).resolve().parents[1]
-script = root / "tools" / "tp_gloo_demo.py"
-assert script.is_file(), f"{script} not found: run this notebook from a source checkout of dsa_ref"
-saved = Path(tempfile.mkdtemp()) / "tp_run.pt"
-env = dict(os.environ, OMP_NUM_THREADS="1",
-           PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-cmd = [sys.executable, str(script), "--tp", str(TP), "--lengths", "12,20", "--save", str(saved)]
-t0 = time.perf_counter()
-proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-print(proc.stdout)
-if proc.returncode != 0:
-    print(proc.stderr[-3000:])
-print(f"exit status {proc.returncode}, {time.perf_counter() - t0:.1f} s including process start-up")
+saved = run_gloo_demo("tp_gloo_demo.py", "--tp", str(TP), "--lengths", "12,20")
 
 # %%
 run = torch.load(saved, weights_only=True)
@@ -257,7 +239,6 @@ assert g_err < 1e-12, g_err
 assert target_err < 1e-12, target_err
 torch.testing.assert_close(wrong.sum(-1), torch.full((T,), float(TP), dtype=dtype))
 # two real gloo ranks equal the single process, in both stages
-assert proc.returncode == 0, proc.stderr[-2000:]
 for stage, errs in nb_errors.items():
     assert errs.pop("top-k identical"), stage
     assert all(e < 1e-10 for e in errs.values()), (stage, errs)
