@@ -1,0 +1,339 @@
+"""Write docs/known_kernels.md ("Known kernels") from a benchmarks/bench_peers.py results JSON.
+
+    python tools/known_kernels_page.py benchmarks/results/DATE_h200_peers.json > docs/known_kernels.md
+    python tools/known_kernels_page.py > docs/known_kernels.md      # before any GPU run: no measured tables
+
+The page states the peers, the calls the benchmark makes (`bench_peers.IMPLS`), their conventions
+(the presets of `dsa_ref.oracle`, which hold the facts measured on the H200) and, from the JSON, the
+conformance table (what each peer returned on the benchmark's inputs, checked by the oracle) and
+the speed tables. Nothing here is measured: every number is the JSON's. The figure
+(``docs/assets/bench_peers.png``, from tools/plots/bench_peers_plot.py) is shown when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_peers  # noqa: E402
+
+FIGURE = ROOT / "docs" / "assets" / "bench_peers.png"
+COMMAND = "bash tools/gpu_session.sh peers"
+BENCH_COMMAND = "python3 benchmarks/bench_peers.py --peers .gpu/peers --out benchmarks/results/DATE_h200_peers.json"
+
+PEERS = [
+    ("FlashMLA", "flashmla/", "deepseek-ai/FlashMLA `9241ae3` (CUTLASS `147f567`), MIT / BSD-3",
+     "SM90a sparse prefill forward (`flash_mla_sparse_fwd`), compiled by the folder's `build.py` "
+     "(`MAX_JOBS=16 FLASHMLA_BUILD_DIR=/tmp/flashmla_build`, about 45 s; a prebuilt `.so` for torch 2.11 + "
+     "Python 3.12 is the fallback)"),
+    ("Megatron-LM", "megatron/", "NVIDIA/Megatron-LM `d98e8a6`",
+     "the TileLang DSA ops of `core/transformer/experimental_attention_variant/ops/`: sparse MLA forward and "
+     "backward, bf16 indexer forward (+ `clean_logits`) and backward, the attention target and the fused KL loss "
+     "(a three-line `megatron.core.utils` stub stands in for the rest of Megatron)"),
+    ("TileLang", "tilelang_examples/", "tile-ai/tilelang `a35008a`",
+     "`examples/deepseek_v32`: sparse MLA forward (`sparse_mla_fwd.py`, simple; `sparse_mla_fwd_pipelined.py`, "
+     "warp-specialised), `sparse_mla_bwd.py`, the fp8 indexer `fp8_lighting_indexer.py` (`utils.py` is a shim: "
+     "upstream's imports triton at load time)"),
+]
+
+#: the presets the peers use, in the order of the conventions table
+PRESETS = ["dsa_ref", "flashmla_sparse_prefill", "megatron_tilelang_ops", "tilelang_deepseek_v32"]
+
+#: facts read from the peers' code (and, for the empty rows, measured on the H200 on 2026-12-03)
+FACTS = [
+    "**Unused slots.** FlashMLA ignores any index outside `[0, S)`. Megatron's ops mask exactly `-1`: a `-2` "
+    "is read as row 0 and counted. TileLang's examples mask any index after the query's position, so `-1` "
+    "reads `KV[-1]`; their tests pad with `S`.",
+    "**Causal rule inside the kernel.** FlashMLA and Megatron's ops have none (the indices decide). TileLang's "
+    "simple forward and its backward place query `t` at position `t`, which is right only for queries that "
+    "start at position 0; the pipelined forward takes `q_start_index_s`.",
+    "**LSE.** FlashMLA returns the natural log (and `max_logits`), Megatron's ops and TileLang's examples "
+    "base 2.",
+    "**Rows with no valid slot.** FlashMLA: output 0, LSE `+inf`. Megatron: output 0, LSE 0. TileLang: "
+    "output NaN, LSE `-inf`. dsa_ref: output 0, LSE `-inf`.",
+    "**Softmax scale.** Megatron's and TileLang's kernels default to `576 ** -0.5`; DeepSeek-V3.2 needs "
+    "`192 ** -0.5 * mscale ** 2`. The benchmark always passes it.",
+    "**A key in two slots** counts once per slot in all of them, as in dsa_ref.",
+    "**Backward.** FlashMLA has none. Megatron's `sparse_mla_bwd` works in blocks of 32 heads; its autograd "
+    "function re-runs the forward in the backward. TileLang's example takes the forward's output and LSE.",
+]
+
+
+def _fmt_ms(ms) -> str:
+    return "" if ms is None else (f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}")
+
+
+def _num(v) -> float | None:
+    """A JSON number, or None (non-finite values are stored as strings)."""
+    if isinstance(v, (int, float)):
+        return float(v)
+    if v in ("inf", "-inf", "nan"):
+        return float(v)
+    return None
+
+
+def _cell_text(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _shape_names(results: dict) -> list[str]:
+    return [s["name"] for s in results["shapes"]]
+
+
+def _impl_order(results: dict, op: str) -> list[str]:
+    names = list(results.get("impls", {}).get(op, {}))
+    for r in results["results"]:
+        if r["op"] == op and r["impl"] not in names:
+            names.append(r["impl"])
+    return names
+
+
+def _by_key(results: dict) -> dict:
+    return {(r["op"], r["shape"], r["impl"]): r for r in results["results"]}
+
+
+def check_summary(rec: dict | None) -> str:
+    """One table cell: the run's status and the oracle's verdict."""
+    if rec is None:
+        return "not run"
+    if rec["status"] != "ok":
+        reason = _cell_text(rec.get("reason", ""))
+        return f"{rec['status']}: {reason[:160]}" if reason else rec["status"]
+    chk = rec.get("check")
+    if not chk:
+        return "ran (not checked)"
+    if chk["status"] == "ok":
+        return "ok"
+    if chk["status"] == "failed":
+        return f"check failed: {_cell_text(chk.get('reason', ''))[:160]}"
+    worst = []
+    for name, t in chk.get("tensors", {}).items():
+        if not t.get("ok", True):
+            bits = [f"max \\|err\\| {_num(t['max_abs']):.3g}", f"rel. L2 {_num(t['rel_l2']):.3g}"]
+            if t.get("nonfinite_mismatch"):
+                bits.append(f"{t['nonfinite_mismatch']} non-finite where the reference is finite or vice versa")
+            worst.append(f"{name}: " + ", ".join(bits))
+    return "**mismatch** (" + "; ".join(worst) + ")"
+
+
+def facts_summary(recs: list[dict]) -> str:
+    """What a peer did on the planted rows and slots, from the first checked record that says."""
+    for r in recs:
+        facts = (r.get("check") or {}).get("facts")
+        if not facts:
+            continue
+        bits = []
+        empty = facts.get("empty_rows")
+        if empty:
+            bits.append(f"empty rows: out {empty.get('out')}, LSE {empty.get('lse')}")
+        if "empty_rows_dq" in facts:
+            bits.append(f"empty rows: dq {facts['empty_rows_dq']}")
+        return "; ".join(bits)
+    return ""
+
+
+def dropped_summary(recs: list[dict]) -> str:
+    """Slots dsa_ref counts that the peer's own rules leave out, per shape where any."""
+    bits = []
+    for r in recs:
+        facts = (r.get("check") or {}).get("facts") or {}
+        if facts.get("slots_dropped"):
+            bits.append(f"{r['shape']}: {facts['slots_dropped']} of {facts['slots_valid_in_dsa_ref']}")
+        if facts.get("slots_added"):
+            bits.append(f"{r['shape']}: {facts['slots_added']} unused slots read")
+    return "; ".join(bits) if bits else "none"
+
+
+def peers_section() -> list[str]:
+    lines = ["## The peers", "",
+             "| peer | folder | upstream | what the benchmark uses |", "|---|---|---|---|"]
+    lines += [f"| {name} | `{folder}` | {up} | {what} |" for name, folder, up, what in PEERS]
+    lines += ["", "Each folder keeps its upstream license and commit. dsa_ref copies none of their code: the "
+              "benchmark imports it at run time from `--peers DIR` (default `.gpu/peers`), builds FlashMLA there, "
+              "and records a peer that is missing, fails to import or raises as `skipped` or `failed`, with the "
+              "reason, without stopping.", ""]
+    return lines
+
+
+def interfaces_section(impls: dict) -> list[str]:
+    lines = ["## Interfaces", "",
+             "The calls the benchmark makes, per operation. Conversions into each layout and index convention "
+             "are done once, outside the timed call.", ""]
+    for op, entries in impls.items():
+        title = bench_peers.OPS[op].title if op in bench_peers.OPS else op
+        lines += [f"**{title}** (`{op}`)", "", "| implementation | call | convention preset |", "|---|---|---|"]
+        for name, e in entries.items():
+            conv = f"`{e['convention']}`" if e.get("convention") else "none: the float64 reference"
+            lines.append(f"| {name} | `{_cell_text(e['call'])}` | {conv} |")
+        lines.append("")
+    return lines
+
+
+def conventions_section(conventions: dict) -> list[str]:
+    cols = [c for c in PRESETS if c in conventions]
+    lines = ["## Conventions", "",
+             "The `dsa_ref.oracle` presets of the sparse-MLA kernels (see [Checking your kernel]"
+             "(checking_your_kernel.md)); `check_sparse_mla` converts a peer's inputs and outputs with its "
+             "preset and compares with the exact reference.", "",
+             "| | " + " | ".join(f"`{c}`" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    rows = [("layout", "layout"), ("indices", "indices"), ("index dtype", "index_dtype"),
+            ("unused slot", "sentinel"), ("LSE base", "lse_base"), ("empty row: LSE", "empty_row_lse"),
+            ("empty row: output", "empty_row_out"), ("causal mask inside", "causal"),
+            ("repeated key", "duplicates"), ("default softmax scale", "default_sm_scale")]
+    for label, key in rows:
+        cells = []
+        for c in cols:
+            v = conventions[c].get(key)
+            if key == "sentinel":
+                v = {"minus_one": "`-1`", "out_of_range": "`< 0` or `>= S`", "after_position": "`> position`",
+                     "minus_one_or_after_position": "`-1` or `> position`"}.get(v, v)
+            elif key == "lse_base":
+                v = {"e": "natural", "2": "**2**", None: "none"}.get(v, v)
+            elif key == "duplicates":
+                v = {"per_slot": "once per slot", "once": "once"}.get(v, v)
+            elif key == "causal":
+                v = "yes: index > query position" if v else "no"
+            elif key in ("empty_row_lse", "empty_row_out"):
+                v = {"nan": "NaN", 0.0: "0", "inf": "+inf", "-inf": "-inf"}.get(v, v)
+            cells.append(_cell_text(v))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", *[f"- {f}" for f in FACTS], ""]
+    return lines
+
+
+def conformance_section(results: dict | None) -> list[str]:
+    lines = ["## Conformance on the benchmark's inputs", ""]
+    if results is None:
+        return lines + [
+            "Not measured yet: the table comes from the first GPU run of the benchmark (see "
+            "[How to run it](#how-to-run-it)). The conventions above were read from the peers' code, and their "
+            "empty-row behaviour measured on an H200 on 2026-12-03.", ""]
+    shapes = _shape_names(results)
+    lines += [
+        "Every output checked against the exact float64 reference by `dsa_ref.oracle`, with the peer's "
+        "convention preset for sparse MLA, on three blocks of rows per shape. The inputs hold three rows "
+        "without a valid slot and rows with a quarter of their slots `-1`. *ok*: within the tolerance of "
+        "its output dtype. *Dropped slots*: slots dsa_ref counts that the peer's own rules leave out on these "
+        "inputs (for TileLang's simple kernels, queries after position 0).", "",
+        "| op | implementation | " + " | ".join(shapes) + " | on rows with no valid slot | dropped slots |",
+        "|---|---|" + "---|" * len(shapes) + "---|---|"]
+    by = _by_key(results)
+    for op in [o for o in bench_peers.OPS if any(r["op"] == o for r in results["results"])]:
+        for name in _impl_order(results, op):
+            recs = [by[(op, s, name)] for s in shapes if (op, s, name) in by]
+            if not recs:
+                continue
+            cells = [check_summary(by.get((op, s, name))) for s in shapes]
+            lines.append(f"| {op} | {name} | " + " | ".join(cells) + f" | {facts_summary(recs)} | "
+                         f"{dropped_summary(recs)} |")
+    lines.append("")
+    identical = [s["name"] for s in results["shapes"] if s.get("inputs_identical") is False]
+    if identical:
+        lines += [f"**Warning:** the families' input checksums differ at {', '.join(identical)}.", ""]
+    return lines
+
+
+def speed_section(results: dict | None, figure: Path | None) -> list[str]:
+    lines = ["## Speed", ""]
+    if results is None:
+        return lines + ["Not measured yet. The tables will give, per operation and shape, each implementation's "
+                        "time per call after an L2 flush and back to back, its TFLOP/s and its speed relative to "
+                        "dsa_ref, from `benchmarks/results/<date>_h200_peers.json`.", ""]
+    m = results["meta"]
+    lines += [f"{m.get('date')}, {m.get('gpu', m.get('device'))}, torch {m.get('torch')}, CUDA {m.get('cuda')}, "
+              f"tilelang {m.get('tilelang')}; `{_cell_text(m.get('command', ''))}`.", "",
+              f"Timing: {m.get('timing', '')}. Cells: ms per call / back to back (TFLOP/s per call; "
+              "x speed relative to dsa_ref per call, > 1 is faster). A cell in brackets did not pass its check.", ""]
+    if figure is not None:
+        lines += [f"![TFLOP/s of every implementation, per operation and shape](assets/{figure.name})", ""]
+    by = _by_key(results)
+    shapes = _shape_names(results)
+    for op in [o for o in bench_peers.OPS if any(r["op"] == o for r in results["results"])]:
+        names = _impl_order(results, op)
+        formula = results.get("formulas", {}).get(op)
+        lines += [f"**{bench_peers.OPS[op].title}**" + (f": TFLOP/s = {formula} / time." if formula else
+                                                         ": no FLOP count (ms only)."), "",
+                  "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for s in shapes:
+            cells = []
+            for n in names:
+                r = by.get((op, s, n))
+                if r is None:
+                    cells.append("")
+                elif r["status"] != "ok" or r.get("ms_per_call") is None:
+                    cells.append(r["status"])
+                else:
+                    text = f"{_fmt_ms(r['ms_per_call'])} / {_fmt_ms(r.get('ms_back_to_back'))}"
+                    extra = []
+                    if r.get("tflops") is not None:
+                        extra.append(f"{r['tflops']:.0f}")
+                    if n != "dsa_ref" and r.get("ratio_to_dsa_ref") is not None:
+                        extra.append(f"x{r['ratio_to_dsa_ref']:.2f}")
+                    if extra:
+                        text += f" ({', '.join(extra)})"
+                    if (r.get("check") or {}).get("status", "ok") != "ok":
+                        text = f"[{text}]"
+                    cells.append(text)
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def run_section() -> list[str]:
+    return ["## How to run it", "",
+            "On the GPU machine, with the peers' folders in `.gpu/peers` (git-ignored) and TileLang set up as "
+            "`tools/gpu_session.sh` does:", "",
+            f"    {COMMAND}                       # writes $OUT/bench_peers.json, .log and .png", f"    {BENCH_COMMAND}",
+            "", "then, here:", "",
+            "    python tools/plots/bench_peers_plot.py --json benchmarks/results/DATE_h200_peers.json",
+            "    python tools/known_kernels_page.py benchmarks/results/DATE_h200_peers.json > docs/known_kernels.md",
+            "", "The benchmark and its method are described in `benchmarks/bench_peers.py`; the inputs are "
+            "DeepSeek-V3.2's shapes (128 heads, width 576, values 512, top-k 2048; indexer 64 heads x 128) at "
+            "4096 x 8192, 8192 x 8192 and 16384 x 16384 with causal top-k indices and 4096 x 32768 with "
+            "uniform ones. Each peer family runs in a process of its own, so a kernel that faults takes only "
+            "itself out of the table.", ""]
+
+
+def render(results: dict | None, *, source: str | None = None, figure: Path | None = None) -> str:
+    """The whole page; ``results`` is a bench_peers JSON (``None``: the page before any GPU run)."""
+    if results is not None and results.get("schema") != bench_peers.SCHEMA:
+        raise ValueError(f"not a bench_peers results file (schema {results.get('schema')!r}, "
+                         f"expected {bench_peers.SCHEMA!r})")
+    origin = f"from {source}" if source else "with no results yet"
+    impls = (results or {}).get("impls") or bench_peers.impl_table()
+    conventions = (results or {}).get("conventions") or bench_peers.convention_table()
+    lines = [f"<!-- Generated by tools/known_kernels_page.py {origin}; edit the generator, not this page. -->", "",
+             "# Known kernels", "",
+             "Other public implementations of DeepSeek Sparse Attention's kernels: what they take and return, "
+             "where they agree with dsa_ref and where they differ, and how fast they are beside dsa_ref's own "
+             "kernels ([chapter 5](chapters/05_tilelang_fast_path.md)) on the same inputs, timed the same way. "
+             "`benchmarks/bench_peers.py` measures all of it; this page is generated from its output.", ""]
+    lines += peers_section() + interfaces_section(impls) + conventions_section(conventions)
+    lines += conformance_section(results) + speed_section(results, figure) + run_section()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="?", type=Path, help="a bench_peers.py results file (none: no measured tables)")
+    parser.add_argument("--figure", type=Path, default=FIGURE, help="shown on the page when it exists")
+    args = parser.parse_args(argv)
+    results = json.loads(args.json.read_text()) if args.json else None
+    source = None
+    if args.json:
+        try:
+            source = str(args.json.resolve().relative_to(ROOT))
+        except ValueError:
+            source = args.json.name
+    figure = args.figure if results is not None and args.figure.is_file() else None
+    sys.stdout.write(render(results, source=source, figure=figure))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
