@@ -1320,13 +1320,13 @@ def record_crash(state: dict, rc: int, log_tail: str) -> bool:
 
 
 def _child_command(args, family: str, state: Path, *, ops: list[str], shapes: list[Shape], deadline: float,
-                   compile_only: bool = False) -> list[str]:
+                   compile_only: bool = False, impls: str | None = None) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", family, "--state", str(state),
            "--peers", str(args.peers), "--ops", ",".join(ops),
            "--shapes", ",".join(f"{s.num_q}x{s.num_kv}:{s.indices}" for s in shapes),
            "--repeat", str(args.repeat), "--device", args.device, "--seed", str(args.seed), "--deadline", str(deadline)]
-    if args.impls:
-        cmd += ["--impls", args.impls]
+    if impls or args.impls:
+        cmd += ["--impls", impls or args.impls]
     if args.tiny:
         cmd.append("--tiny")
     if args.no_check:
@@ -1358,26 +1358,35 @@ def _tail(path: Path, n: int = 6) -> str:
 
 
 def precompile(args, shapes: list[Shape], impls: list[Impl], work: Path, deadline: float) -> list[dict]:
-    """Run every implementation once, family by op, in parallel processes (TileLang caches kernels on disk).
+    """Run every implementation once, in parallel processes (TileLang caches kernels on disk; FlashMLA builds).
 
-    Two waves: first everything but the backwards, which reuse their family's forward kernel; then the
-    backwards. Each process compiles different kernels, so no two compile the same one at once.
+    One process per (family, op) at the first shape (dsa_ref's kernels: one process), and per shape
+    for the kernels specialised on sequence lengths (TileLang's backward). Two waves: everything but
+    the backwards, then the backwards, which reuse their family's forward kernel, so that two
+    processes rarely compile the same kernel at once.
     """
-    jobs = {}
+    jobs: dict[tuple, dict] = {}
     for i in impls:
-        jobs.setdefault((i.family, "all" if i.family == "dsa_ref" else i.op), []).append(i.op)
+        group = "all" if i.family == "dsa_ref" else i.op
+        for s in (shapes if i.compile_per_shape else shapes[:1]):
+            key = (i.family, group, s.name if i.compile_per_shape else None)
+            job = jobs.setdefault(key, {"ops": set(), "shapes": [s] if i.compile_per_shape else shapes,
+                                        "impls": set()})
+            job["ops"].add(i.op)
+            job["impls"].add(i.name)
     waves = [[k for k in jobs if k[1] != "sparse_bwd"], [k for k in jobs if k[1] == "sparse_bwd"]]
     records = []
 
     def one(key):
-        family, group = key
-        state = work / f"compile_{family}_{group}.json"
-        log = work / f"compile_{family}_{group}.log"
+        family, group, shape = key
+        job = jobs[key]
+        tag = f"{family}_{group}" + (f"_{shape.replace(' ', '_')}" if shape else "")
+        state, log = work / f"compile_{tag}.json", work / f"compile_{tag}.log"
         t0 = time.time()
-        cmd = _child_command(args, family, state, ops=sorted(set(jobs[key])), shapes=shapes,
-                             deadline=deadline, compile_only=True)
+        cmd = _child_command(args, family, state, ops=sorted(job["ops"]), shapes=job["shapes"], deadline=deadline,
+                             compile_only=True, impls=",".join(sorted(job["impls"])))
         rc = _run_logged(cmd, log, deadline - time.time())
-        rec = {"family": family, "ops": group, "rc": rc, "seconds": time.time() - t0}
+        rec = {"family": family, "ops": group, "shape": shape, "rc": rc, "seconds": time.time() - t0}
         if state.is_file():
             st = json.loads(state.read_text())
             rec["failed"] = [f"{r['op']} {r['shape']} {r['impl']}: {r.get('reason', '')}"[:400]
@@ -1385,7 +1394,7 @@ def precompile(args, shapes: list[Shape], impls: list[Impl], work: Path, deadlin
             rec["status"] = st.get("status")
         if rc != 0:
             rec["log_tail"] = _tail(log)
-        print(f"[compile] {family}/{group}: rc {rc} in {rec['seconds']:.0f} s"
+        print(f"[compile] {tag}: exit code {rc} in {rec['seconds']:.0f} s"
               + (f"; failed: {rec['failed']}" if rec.get("failed") else ""), flush=True)
         return rec
 
@@ -1484,9 +1493,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--no-precompile", action="store_true", help="skip the parallel compile phase")
     parser.add_argument("--no-check", action="store_true", help="time only")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new measurements after this")
-    parser.add_argument("--compile-budget-s", type=float, default=330.0, help="time limit of the compile phase")
-    parser.add_argument("--jobs", type=int, default=10, help="parallel processes in the compile phase")
-    parser.add_argument("--attempts", type=int, default=4, help="processes per family (resumed after a crash)")
+    parser.add_argument("--compile-budget-s", type=float, default=300.0, help="time limit of the compile phase")
+    parser.add_argument("--jobs", type=int, default=12, help="parallel processes in the compile phase")
+    parser.add_argument("--attempts", type=int, default=6, help="processes per family (resumed after a crash)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny head counts and widths (CPU smoke tests)")
     parser.add_argument("--seed", type=int, default=0)

@@ -453,3 +453,65 @@ def test_plot_draws_the_synthetic_results(tmp_path):
     out = tmp_path / "peers.png"
     bench_peers_plot.plot(results, out)
     assert out.stat().st_size > 10_000
+
+
+FAKE_CHILD = '''
+import json, os, sys
+state_path, family, mode, shapes, impls = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(";"), sys.argv[5].split(",")
+todo = [(s, i) for s in shapes for i in impls]
+if not os.path.exists(state_path):  # first process: one result, then it dies while running the second
+    state = {"family": family, "status": "ok", "results": [], "fingerprints": {}, "running": None}
+    state["results"].append({"op": "sparse_fwd", "shape": todo[0][0], "impl": todo[0][1], "family": family,
+                             "status": "ok", "ms_per_call": 1.0, "ms_back_to_back": 1.0})
+    print("about to fault", flush=True)
+    if mode == "abort":  # killed by a signal while running the second
+        state["running"] = ["sparse_fwd", todo[1][0], todo[1][1]]
+        json.dump(state, open(state_path, "w"))
+        os.abort()
+    # a CUDA error bench_peers caught: recorded, then the process exits with its CUDA-error code
+    state["results"].append({"op": "sparse_fwd", "shape": todo[1][0], "impl": todo[1][1], "family": family,
+                             "status": "failed", "reason": "AcceleratorError: CUDA error: an illegal memory access",
+                             "cuda_error": True})
+    state["cuda_error"] = True
+    json.dump(state, open(state_path, "w"))
+    sys.exit(3)
+state = json.load(open(state_path))
+done = {(r["shape"], r["impl"]) for r in state["results"]}
+for s, i in todo:
+    if (s, i) not in done:
+        state["results"].append({"op": "sparse_fwd", "shape": s, "impl": i, "family": family, "status": "ok",
+                                 "ms_per_call": 2.0, "ms_back_to_back": 2.0})
+state["running"] = None
+json.dump(state, open(state_path, "w"))
+'''
+
+
+@pytest.mark.parametrize("mode", ["abort", "cuda_error"])
+def test_orchestrator_resumes_a_family_whose_process_died(tmp_path, monkeypatch, mode):
+    """Through real subprocesses: a family process that dies (SIGABRT, or the CUDA-error exit) is
+    resumed in a fresh one; what it was running is recorded as failed, the rest is measured."""
+    script = tmp_path / "fake_child.py"
+    script.write_text(FAKE_CHILD)
+
+    def fake_command(args, family, state, *, ops, shapes, deadline, compile_only=False, impls=None):
+        names = [i.name for i in bp.IMPLS if i.family == family and i.op == "sparse_fwd"]
+        return [sys.executable, str(script), str(state), family, mode, ";".join(s.name for s in shapes),
+                ",".join(names)]
+
+    monkeypatch.setattr(bp, "_child_command", fake_command)
+    out = tmp_path / "r.json"
+    assert bp.main(["--device", "cpu", "--tiny", "--no-precompile", "--ops", "sparse_fwd", "--impls", "tilelang",
+                    "--shapes", "16x32,16x16", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    by = {(r["shape"], r["impl"]): r for r in results["results"]}
+    assert len(by) == 4
+    first = by[("16x32 causal", "tilelang_simple")]
+    assert first["status"] == "ok" and first["ms_per_call"] == 1.0, "kept from the process that died"
+    crashed = by[("16x32 causal", "tilelang_pipelined")]
+    assert crashed["status"] == "failed"
+    if mode == "abort":
+        assert crashed["crashed_process"] and "exit code -6" in crashed["reason"] and "about to fault" in crashed["reason"]
+    else:
+        assert "illegal memory access" in crashed["reason"]
+    for impl in ("tilelang_simple", "tilelang_pipelined"):  # measured by the fresh process
+        assert by[("16x16 causal", impl)]["ms_per_call"] == 2.0

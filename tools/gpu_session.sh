@@ -12,11 +12,17 @@
 #   refmem     the reference layer's memory at 32K tokens
 #   cp         context parallelism on NCCL (one rank), TileLang and reference
 #   layers     the DSAttention step benchmark at 4096 and 8192 tokens
+#   peers      benchmarks/bench_peers.py: dsa_ref's kernels beside FlashMLA, Megatron's TileLang ops and
+#              TileLang's deepseek_v32 examples, loaded from .gpu/peers (FlashMLA is built from
+#              .gpu/peers/flashmla in the benchmark's compile phase), with the extra arguments, to
+#              $OUT/bench_peers.json (+ .log, .png, known_kernels.md)
+#   profile    benchmarks/profile_layer_step.py: the layer step under torch.profiler at 4K/8K/16K
+#              tokens, both stages, to $OUT/profile_layer_step.{json,md}
 # or one of the shorthands check = tests,tune, final = tests,refmem,cp,layers and
 # all = tests,tune,bench (the default).
 # Environment: TEST_TIMEOUT, TUNE_TIMEOUT (seconds); TUNE_KERNELS (default indexer,topk) and
 # TUNE_BACKWARD=0 narrow the tuning; DSA_REF_BENCH_QUEUE_AHEAD=1 makes bench_kernels.py measure GPU
-# time instead of one call on an idle GPU.
+# time instead of one call on an idle GPU. PEERS_BUDGET (seconds, default 480) bounds bench_peers.
 set -uo pipefail
 what=${1:-all}; shift || true
 case "$what" in
@@ -69,5 +75,20 @@ fi
 if has layers; then
   timeout 150 python3 benchmarks/bench_kernels.py --quick --shapes 4096x8192 --layer-tokens 4096,8192 \
     --out "$OUT/bench_layers.json" 2>&1 | tail -12
+fi
+if has peers; then
+  # its compile phase builds FlashMLA (MAX_JOBS=16 nvcc jobs, /tmp/flashmla_build) beside the TileLang compiles
+  if [ ! -d .gpu/peers ]; then echo "no .gpu/peers: every peer will be recorded as skipped"; fi
+  MAX_JOBS=16 FLASHMLA_BUILD_DIR=/tmp/flashmla_build timeout $(( ${PEERS_BUDGET:-480} + 60 )) \
+    python3 benchmarks/bench_peers.py --peers .gpu/peers --budget-s "${PEERS_BUDGET:-480}" \
+    --out "$OUT/bench_peers.json" "$@" 2>&1 | tee "$OUT/bench_peers.log"
+  if [ -f "$OUT/bench_peers.json" ]; then
+    python3 tools/plots/bench_peers_plot.py --json "$OUT/bench_peers.json" --out "$OUT/bench_peers.png" || true
+    python3 tools/known_kernels_page.py "$OUT/bench_peers.json" --figure "$OUT/bench_peers.png" \
+      > "$OUT/known_kernels.md" || true
+  fi
+fi
+if has profile; then
+  timeout 300 python3 benchmarks/profile_layer_step.py --out "$OUT" 2>&1 | grep -v "USDT\|profiler_st" | tee "$OUT/profile.log"
 fi
 tar -C ~/.tilelang -cJf "$OUT/tl_cache.tar.xz" cache 2>/dev/null || true
