@@ -371,6 +371,12 @@ def target_tolerance(heads: int) -> Tolerance:
                      reason="head sums of fp32 probabilities from bf16 scores: ~1e-5 relative per entry, 10x margin")
 
 
+#: an fp8 kernel's scores against its dequantised inputs: the products are exact, but Hopper's fp8
+#: tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3's report), ~1e-4 .. 1e-3 relative
+FP8_SCORES_TOLERANCE = Tolerance(rel_l2=2e-3, atol=1e-2, rtol=1e-2, min_cosine=1 - 1e-5,
+                                 reason="fp8 e4m3 products accumulated on Hopper's fp8 tensor cores (~14 bits), "
+                                        "against the dequantised inputs")
+
 #: bf16 outputs, and gradients that feed a bf16 step: the bf16 preset of dsa_ref.compare
 GRAD_TOLERANCE = tolerance_for(torch.bfloat16)
 
@@ -507,14 +513,18 @@ def _empty_rows_dq(call: Callable, q, x: Inputs, layout: str) -> str:
     return _classify((dq[0] if layout == "BSHD" else dq).index_select(0, sel))
 
 
-def check_indexer_scores(scores, q, k, weights, x: Inputs) -> dict:
+def check_indexer_scores(scores, q, k, weights, x: Inputs, tol: Tolerance | None = None) -> dict:
     """Index scores ``[T, S]`` against the float64 reference, through `check_indexer`, on the check blocks.
 
-    ``q``, ``k``, ``weights`` are what the kernel computed with (for fp8 kernels: the dequantised values).
+    ``q``, ``k``, ``weights`` are what the kernel computed with (for fp8 kernels: the dequantised
+    values); ``tol`` defaults to `check_indexer`'s (the float32 preset).
     """
-    reports = [check_indexer(scores[lo:hi], q[lo:hi], k, weights[lo:hi], starts=x.starts[lo:hi], ends=x.ends[lo:hi])
-               for lo, hi in x.check_blocks]
-    return summarise(*_report_comparisons(reports))
+    reports = [check_indexer(scores[lo:hi], q[lo:hi], k, weights[lo:hi], starts=x.starts[lo:hi], ends=x.ends[lo:hi],
+                             tol=tol) for lo, hi in x.check_blocks]
+    record = summarise(*_report_comparisons(reports))
+    if tol is not None:
+        record["notes"].append(f"tolerance: {tol.reason}")
+    return record
 
 
 def check_indexer_backward(call: Callable, x: Inputs) -> dict:
@@ -837,7 +847,7 @@ def _tilelang_fp8_indexer_fwd(x: Inputs, lib: Family) -> Bench:
     run = _no_grad(lambda: mod.mqa_attn_return_logits_interface(q8, k8, k_scale, x.iw, starts, ends, clean_logits=True))
 
     def check():  # against the dequantised inputs: the kernel's own arithmetic, not the quantisation
-        return check_indexer_scores(run(), q8.float(), k8.float() * k_scale[:, None], x.iw, x)
+        return check_indexer_scores(run(), q8.float(), k8.float() * k_scale[:, None], x.iw, x, tol=FP8_SCORES_TOLERANCE)
 
     return Bench(run, check, note="q cast to fp8 e4m3, k scaled per row to fp8 (per_custom_dims_cast_to_fp8); "
                                   "checked against the dequantised q and k")
