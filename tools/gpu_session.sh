@@ -12,6 +12,8 @@
 #   refmem     the reference layer's memory at 32K tokens
 #   cp         context parallelism on NCCL (one rank), TileLang and reference
 #   layers     the DSAttention step benchmark at 4096 and 8192 tokens
+#   fp8        the fp8 indexer alone: its GPU tests, then benchmarks/bench_indexer_fp8.py (fp8 vs bf16
+#              kernel, every fp8 schedule, accuracy against the simulation, top-k overlap)
 # or one of the shorthands check = tests,tune, final = tests,refmem,cp,layers and
 # all = tests,tune,bench (the default).
 # Environment: TEST_TIMEOUT, TUNE_TIMEOUT (seconds); TUNE_KERNELS (default indexer,topk) and
@@ -44,6 +46,12 @@ if has tune; then
     timeout "${TUNE_TIMEOUT:-150}" python3 benchmarks/tune_kernels.py --kernels backward --out "$OUT/tune_bwd.json" \
       2>&1 | tee -a "$OUT/tune.log"
   fi
+fi
+if has fp8; then
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/test_kernels_indexer_fp8.py -q -p no:cacheprovider -rs \
+    --durations=10 2>&1 | tee "$OUT/gpu_tests_fp8.log"
+  timeout 400 python3 benchmarks/bench_indexer_fp8.py --out "$OUT/bench_indexer_fp8.json" 2>&1 \
+    | tee "$OUT/bench_indexer_fp8.log"
 fi
 if has bench; then
   python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
