@@ -8,7 +8,8 @@ indexer 64 x 128) it times, with CUDA events (median of many runs after warm-up)
 * sparse MLA forward (warp-specialised and simple schedules) and backward; the warp-specialised
   forward also without the index-range check (``validate=False``) and as its kernel alone, on
   prepared int32 indices and block counts, so that the wrapper's share is in the record;
-* the indexer scores;
+* the indexer scores; the fp8 indexer (with its quantisation, and its kernel alone on quantised
+  operands against the bf16 kernel alone: ``indexer_fp8_kernel_speedup``);
 * top-k over the indexer scores: the radix-select kernel (set only, and in the reference order),
   the reference (stable sort, canonical ties) and ``torch.topk`` (sorted and unsorted);
 * the slot path's kernels (chapter 5): the head-summed attention mass at the selected slots and
@@ -163,6 +164,22 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, ref_reps: int) -> dict:
         iq, ik, iw, st, en = x["iq"], x["ik"], x["iw"], x["starts"], x["ends"]
         timed("indexer", lambda: lightning_indexer_tilelang(iq, ik, iw, starts=st, ends=en), idx_flop, reps)
         timed("indexer_reference", lambda: lightning_indexer(iq, ik, iw, starts=st, ends=en), idx_flop, ref_reps)
+        # the fp8 indexer (benchmarks/bench_indexer_fp8.py has its schedules, accuracy and top-k overlap):
+        # the wrapper (quantisation included) and the kernel alone on operands quantised beforehand
+        from dsa_ref.kernels.indexer_fwd import indexer_kernel
+        from dsa_ref.kernels.indexer_fwd_fp8 import (
+            indexer_fp8_kernel, lightning_indexer_fp8_tilelang, quantize_indexer_operands)
+
+        timed("indexer_fp8", lambda: lightning_indexer_fp8_tilelang(iq, ik, iw, starts=st, ends=en), idx_flop, reps)
+        q8, qs, k8, ks = quantize_indexer_operands(iq, ik)
+        st32, en32, iwf = st.to(torch.int32), en.to(torch.int32), iw.float().contiguous()
+        idx_out = torch.empty(num_q, num_kv, device="cuda")
+        bf16_ms = timed("indexer_kernel", lambda: indexer_kernel(H_I, D_I, True)(iq, ik, iwf, st32, en32, idx_out),
+                        idx_flop, reps)
+        fp8_ms = timed("indexer_fp8_kernel", lambda: indexer_fp8_kernel(H_I, D_I, True)(q8, qs, k8, ks, iwf, st32,
+                                                                                        en32, idx_out), idx_flop, reps)
+        row["indexer_fp8_kernel_speedup"] = bf16_ms / fp8_ms
+        del idx_out, q8, k8
         scores = lightning_indexer_tilelang(iq, ik, iw, starts=st, ends=en)
         timed("topk_reference", lambda: topk_indices(scores, BENCH_TOPK), 0, ref_reps)
         timed("torch_topk", lambda: torch.topk(scores, BENCH_TOPK, dim=1), 0, reps)

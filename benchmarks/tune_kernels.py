@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import H_I, D_I, cuda_time_ms, run_meta, shape_inputs  # noqa: E402
 from dsa_ref.kernels.shapes import (  # noqa: E402
-    BACKWARD_SCHEDULES, DIM, DIM_V, INDEXER_SCHEDULES, SM_SCALE)
+    BACKWARD_SCHEDULES, DIM, DIM_V, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE, INDEXER_SCHEDULES, SM_SCALE)
 
 
 H = 128
@@ -28,6 +28,7 @@ H = 128
 VARIANTS = {
     # the default first, then every tested schedule (shapes.*_SCHEDULES)
     "indexer": [dict()] + INDEXER_SCHEDULES,
+    "indexer_fp8": [dict()] + INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE,  # on prepared e4m3 operands
     "forward": [dict()],  # the warp-specialised kernel alone (its losing knobs are gone)
     "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],
@@ -39,6 +40,8 @@ def variant_builds():
     jobs = []
     for kw in VARIANTS["indexer"]:
         jobs.append(("indexer", (H_I, D_I, True), kw))
+    for kw in VARIANTS["indexer_fp8"]:
+        jobs.append(("indexer_fp8", (H_I, D_I, True), kw))
     for kw in VARIANTS["forward"]:
         jobs.append(("warp_specialized", (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["backward"]:
@@ -84,6 +87,29 @@ def tune_indexer(x, reps):
         same = not bool(torch.isnan(scores).any()) and bool(torch.equal(torch.isinf(scores), torch.isinf(first))) and float(
             (scores - first).nan_to_num().abs().max()) < 1e-3 * float(first[torch.isfinite(first)].abs().max())
         rows.append({"kernel": "indexer", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
+    return rows
+
+
+def tune_indexer_fp8(x, reps):
+    """The fp8 indexer's schedules on the benchmark's indexer inputs, quantised once beforehand."""
+    from dsa_ref.kernels.indexer_fwd_fp8 import indexer_fp8_kernel, quantize_indexer_operands
+
+    q8, qs, k8, ks = quantize_indexer_operands(x["iq"], x["ik"])
+    w = x["iw"].float().contiguous()
+    st, en = x["starts"].to(torch.int32).contiguous(), x["ends"].to(torch.int32).contiguous()
+    flop = 2 * int((en - st).sum()) * H_I * D_I
+    rows, first = Rows(), None
+    for kw in VARIANTS["indexer_fp8"]:
+        kernel = _build_or_none(indexer_fp8_kernel, (H_I, D_I, True), kw, rows, "indexer_fp8")
+        if kernel is None:
+            continue
+        scores = torch.full((q8.shape[0], k8.shape[0]), float("nan"), device="cuda")  # all overwritten
+        ms = cuda_time_ms(lambda: kernel(q8, qs, k8, ks, w, st, en, scores), reps=reps)
+        if first is None:
+            first = scores.clone()
+        same = not bool(torch.isnan(scores).any()) and bool(torch.equal(torch.isinf(scores), torch.isinf(first))) and float(
+            (scores - first).nan_to_num().abs().max()) < 1e-3 * float(first[torch.isfinite(first)].abs().max())
+        rows.append({"kernel": "indexer_fp8", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
     return rows
 
 
@@ -167,7 +193,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="4096x8192,4096x4096")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="tune_kernels.json")
-    parser.add_argument("--kernels", default="indexer,forward,backward,topk", help="which of VARIANTS to time")
+    parser.add_argument("--kernels", default="indexer,indexer_fp8,forward,backward,topk",
+                        help="which of VARIANTS to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tune_kernels needs a CUDA GPU")
@@ -176,8 +203,8 @@ def main() -> int:
     for spec in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in spec.split("x"))
         x = shape_inputs(num_q, num_kv)
-        tuners = {"indexer": tune_indexer, "forward": tune_forward, "backward": tune_backward,
-                  "topk": tune_topk}
+        tuners = {"indexer": tune_indexer, "indexer_fp8": tune_indexer_fp8, "forward": tune_forward,
+                  "backward": tune_backward, "topk": tune_topk}
         print(f"# {num_q} queries x {num_kv} keys", flush=True)
         for name in args.kernels.split(","):
             results += [dict(row, num_q=num_q, num_kv=num_kv) for row in tuners[name](x, args.reps)]

@@ -120,6 +120,14 @@ class IndexerConfig:
         use_hadamard: rotate q and k by the same orthonormal Hadamard matrix (matters only under fp8).
         k_norm_eps: epsilon of the LayerNorm on the indexer key.
         use_relu: ``relu(q . k)`` inside the score (DeepSeek-V3.2: on).
+        fp8: select the top-k by fp8 scores, as DeepSeek-V3.2 does: q and k (after the rotation)
+            quantised to e4m3 with one power-of-two scale per 128 channels (per head vector when
+            ``head_dim`` < 128), `dsa_ref.fp8`. The reference backend selects by the simulation
+            (`dsa_ref.fp8.fp8_indexer_scores`), the TileLang backend by the fp8 kernel
+            (`dsa_ref.kernels.indexer_fwd_fp8`; ``"auto"`` falls back to the simulation where it
+            declines). Only the selection changes: the indexer loss and its gradient use the
+            unquantised scores at the selected keys (a quantiser has no useful gradient; DeepSeek's
+            fp8 kernel is forward-only too). Default off.
     """
 
     n_heads: int
@@ -130,8 +138,10 @@ class IndexerConfig:
     use_hadamard: bool = True
     k_norm_eps: float = 1e-6
     use_relu: bool = True
+    fp8: bool = False
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.fp8, bool), "fp8", self.fp8, "True or False")
         for name in ("n_heads", "head_dim", "topk"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
         _require(2 <= self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,

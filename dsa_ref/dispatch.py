@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import fp8 as _fp8
 from . import indexer as _indexer
 from . import sparse_attention as _sparse
 
@@ -89,6 +90,22 @@ def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True, backe
                 dict(starts=starts, ends=ends, relu=relu), q.device)
 
 
+def lightning_indexer_fp8(q, k, weights, *, starts=None, ends=None, relu=True, backend="reference"):
+    """fp8 index scores (DeepSeek's e4m3 q and k, one scale per 128 channels) through the chosen backend.
+
+    ``q`` and ``k`` come unquantised and already rotated (as `LightningIndexer.project` returns them).
+    The reference is the simulation, `dsa_ref.fp8.fp8_indexer_scores` with ``hadamard=False``; the
+    kernel is `dsa_ref.kernels.indexer_fwd_fp8`. No gradient on either path.
+    """
+    def reference(q, k, weights, *, starts, ends, relu):
+        with torch.no_grad():
+            return _fp8.fp8_indexer_scores(q, k, weights, hadamard=False, starts=starts, ends=ends, relu=relu,
+                                           block_size=_fp8.selection_block_size(q.shape[-1]))
+
+    return _run("lightning_indexer_fp8", backend, reference, (q, k, weights),
+                dict(starts=starts, ends=ends, relu=relu), q.device)
+
+
 def topk_indices(scores, topk, *, backend="reference"):
     """`dsa_ref.topk_indices` through the chosen backend (the kernel returns the same indices, same order)."""
     return _run("topk_indices", backend, _indexer.topk_indices, (scores, topk), {}, scores.device)
@@ -104,11 +121,14 @@ def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i):
                          lambda kernels: kernels.slot_ops(q, kv, q_i, k_i, w_i))
 
 
-def chunk_selector(backend: str, *, q_i, k_i, w_i):
+def chunk_selector(backend: str, *, q_i, k_i, w_i, fp8: bool = False):
     """The kernels' chunk selector for `dsa_ref.streaming.streamed_topk_indices`, or ``None``.
 
     ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means the
-    readable key-tiled selector; ``backend="tilelang"`` raises instead when the kernels cannot run.
+    readable key-tiled selector -- with ``fp8``, run on `dsa_ref.fp8.fp8_selection_operands`;
+    ``backend="tilelang"`` raises instead when the kernels cannot run. ``fp8`` selects by the
+    fp8 kernel's scores (``IndexerConfig.fp8``).
     """
-    return _from_kernels("the top-k selection", backend, q_i.device,
-                         lambda kernels: kernels.chunk_selector(q_i, k_i, w_i))
+    name = "the fp8 top-k selection" if fp8 else "the top-k selection"
+    return _from_kernels(name, backend, q_i.device,
+                         lambda kernels: kernels.chunk_selector(q_i, k_i, w_i, fp8=fp8))

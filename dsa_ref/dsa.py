@@ -42,6 +42,7 @@ from ._checks import check_dim, check_int, check_rank, check_tensor
 from .absorbed_mla import AbsorbedMLA
 from .attention import dense_mla_attention
 from .config import DSAConfig
+from .fp8 import fp8_selection_operands
 from .indexer import LightningIndexer, index_scores_at
 from .layout import key_windows, positions
 from .mla import MLA, check_tokens, tokens_cu_seqlens
@@ -223,10 +224,15 @@ class DSAttention(nn.Module):
         q_i, k_i_local, w_i = self.indexer.project(x.detach(), p.qr.detach(), pos)
         k_i = gather(k_i_local)  # [S, D_I]
 
-        # 3. top-k selection (no gradient), streamed: the [T_q, S] index scores never exist (chapter 7)
-        select = dispatch.chunk_selector(self.backend, q_i=q_i, k_i=k_i, w_i=w_i)
-        topk = streamed_topk_indices(q_i.detach(), k_i.detach(), w_i.detach(), cfg.indexer.topk, starts=starts,
-                                     ends=ends, relu=cfg.indexer.use_relu, chunk_selector=select)  # [T_q, topk]
+        # 3. top-k selection (no gradient), streamed: the [T_q, S] index scores never exist (chapter 7);
+        #    with indexer.fp8 by fp8 scores (the kernel, or the simulation on dequantised operands)
+        fp8 = cfg.indexer.fp8
+        select = dispatch.chunk_selector(self.backend, q_i=q_i, k_i=k_i, w_i=w_i, fp8=fp8)
+        sel_q, sel_k, sel_w = q_i.detach(), k_i.detach(), w_i.detach()
+        if fp8 and select is None:
+            sel_q, sel_k, sel_w = fp8_selection_operands(sel_q, sel_k, sel_w)
+        topk = streamed_topk_indices(sel_q, sel_k, sel_w, cfg.indexer.topk, starts=starts, ends=ends,
+                                     relu=cfg.indexer.use_relu, chunk_selector=select)  # [T_q, topk]
 
         # 4-5. main attention and the indexer KL loss against it (detached); kernels where they run
         ops = dispatch.slot_ops(self.backend, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i)

@@ -26,6 +26,8 @@ the rotation changes nothing -- which is why bf16 code may skip it and fp8 code 
 `act_quant_block128` quantises (with ``torch.float8_e4m3fn`` when PyTorch has it, else a faithful
 round-to-nearest-even emulation, `e4m3_round`), `fp8_roundtrip` quantises and dequantises, and
 `fp8_indexer_scores` computes the indexer scores the way the fp8 kernel does.
+`fp8_selection_operands` is what `dsa_ref.DSAttention` selects with under ``IndexerConfig.fp8``
+on the reference backend; `dsa_ref.kernels.indexer_fwd_fp8` is the fp8 kernel itself.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ._checks import check_float, check_positive_int
 from .indexer import lightning_indexer, rotate_activation
 
 __all__ = ["E4M3_MAX", "HAS_TORCH_FP8", "e4m3_round", "act_quant_block128", "fp8_dequant", "fp8_roundtrip",
-           "fp8_indexer_scores"]
+           "fp8_indexer_scores", "selection_block_size", "fp8_selection_operands"]
 
 #: Largest finite e4m3 (``fn`` variant: no infinities) value.
 E4M3_MAX = 448.0
@@ -142,3 +144,24 @@ def fp8_indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
         weights = weights.to(torch.float32)
     return lightning_indexer(q, k, weights, starts=starts, ends=ends, relu=relu)
 # --8<-- [end:fp8_indexer_scores]
+
+
+# --8<-- [start:fp8_selection_operands]
+def selection_block_size(head_dim: int) -> int:
+    """Channels per scale of the fp8 selection: 128 (DeepSeek's block, one per 128-channel head
+    vector), or the whole head vector when ``head_dim`` is not a multiple of 128 (small test configs)."""
+    return 128 if head_dim % 128 == 0 else head_dim
+
+
+def fp8_selection_operands(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The indexer's operands as the fp8 kernel sees them: dequantised float32 ``q``, ``k`` and float32 weights.
+
+    ``lightning_indexer`` of these is `fp8_indexer_scores` with ``hadamard=False`` (``q`` and ``k``
+    come rotated from `dsa_ref.LightningIndexer.project`) and ``block_size=selection_block_size(D_I)``,
+    so ``streamed_topk_indices`` of them is the top-k of the simulated fp8 scores. No gradient.
+    """
+    block = selection_block_size(q.shape[-1])
+    return (fp8_roundtrip(q.detach(), block_size=block), fp8_roundtrip(k.detach(), block_size=block),
+            weights.detach().to(torch.float32))
+# --8<-- [end:fp8_selection_operands]

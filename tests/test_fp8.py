@@ -124,3 +124,92 @@ def test_fp8_scores_keep_windows_and_dtype():
     assert s.dtype == torch.float32
     assert torch.equal(torch.isfinite(s), torch.arange(8)[None] < ends[:, None])
     assert math.isinf(float(s[0, 1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer's switch: IndexerConfig.fp8 selects by the simulated fp8 scores
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_layer(seed, fp8, stage="sparse"):
+    from dataclasses import replace
+
+    from dsa_ref import DSAttention, tiny
+
+    cfg = tiny()
+    cfg = replace(cfg, indexer=replace(cfg.indexer, fp8=fp8))
+    torch.manual_seed(seed)
+    return DSAttention(cfg, stage=stage, dtype=torch.float64)
+
+
+def test_config_fp8_switch_validates():
+    from dataclasses import replace
+
+    from dsa_ref import IndexerConfig, tiny
+
+    ic = tiny().indexer
+    assert ic.fp8 is False, "off by default"
+    assert replace(ic, fp8=True).fp8 is True
+    for bad in (1, 0, "yes", None, 1.0):
+        with pytest.raises(ValueError, match="fp8"):
+            IndexerConfig(n_heads=4, head_dim=16, topk=8, rope_head_dim=8, fp8=bad)
+
+
+@needs_torch_fp8
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_fp8_switch_selects_by_the_simulation_and_keeps_the_loss_unquantised(stage):
+    from dsa_ref import key_windows, positions
+    from dsa_ref.fp8 import selection_block_size
+    from dsa_ref.indexer_loss import indexer_loss
+
+    off, on = _fp8_layer(31, False, stage), _fp8_layer(31, True, stage)
+    on.load_state_dict(off.state_dict())
+    cu = torch.tensor([0, 7, 48, 96])
+    x = torch.randn(96, on.config.mla.dim, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    a, b = off(x, cu), on(x, cu)
+    pos, (starts, ends) = positions(cu), key_windows(cu)
+    p = on.mla.project(x, pos)
+    q, kv = on.absorbed.absorbed_qkv(p)
+    qi, ki, wi = on.indexer.project(x, p.qr, pos)  # rotated already (use_hadamard)
+    topk = on.config.indexer.topk
+    sim = fp8_indexer_scores(qi, ki, wi, hadamard=False, starts=starts, ends=ends,
+                             block_size=selection_block_size(qi.shape[-1]))
+    assert torch.equal(b.topk_indices, topk_indices(sim, topk)), "the selection is the simulation's top-k"
+    exact = lightning_indexer(qi, ki, wi, starts=starts, ends=ends)
+    assert torch.equal(a.topk_indices, topk_indices(exact, topk))
+    assert not torch.equal(a.topk_indices, b.topk_indices), "fp8 moves some selections at this size"
+    if stage == "sparse":  # the loss: the KL on the fp8 selection, with the unquantised scores
+        ref = indexer_loss(exact, q, kv, sm_scale=on.mla.softmax_scale, starts=starts, ends=ends,
+                           topk_indices=b.topk_indices)
+        torch.testing.assert_close(b.indexer_loss, ref, rtol=1e-13, atol=0)
+    else:  # the warm-up's loss and output do not depend on the selection at all
+        torch.testing.assert_close(b.indexer_loss, a.indexer_loss, rtol=1e-13, atol=0)
+        torch.testing.assert_close(b.output, a.output, rtol=0, atol=0)
+    b.output.sum().backward()  # the indexer trains through the unquantised scores
+    assert all(p_.grad is not None and bool(torch.isfinite(p_.grad).all()) for p_ in on.indexer.parameters())
+
+
+@needs_torch_fp8
+def test_fp8_selection_operands_are_the_simulation():
+    from dsa_ref.fp8 import fp8_selection_operands, selection_block_size
+
+    g = torch.Generator().manual_seed(33)
+    q, k, w = torch.randn(5, 4, 256, generator=g), torch.randn(9, 256, generator=g), torch.randn(5, 4, generator=g)
+    assert selection_block_size(256) == 128 and selection_block_size(128) == 128 and selection_block_size(16) == 16
+    qf, kf, wf = fp8_selection_operands(q, k, w)
+    assert torch.equal(lightning_indexer(qf, kf, wf), fp8_indexer_scores(q, k, w, hadamard=False))
+
+
+@needs_torch_fp8
+def test_dispatch_fp8_scores_reference_is_the_simulation():
+    from dsa_ref import dispatch
+
+    g = torch.Generator().manual_seed(34)
+    q, k, w = torch.randn(6, 4, 16, generator=g), torch.randn(10, 16, generator=g), torch.randn(6, 4, generator=g)
+    starts, ends = torch.zeros(6, dtype=torch.int64), torch.arange(5, 11)
+    for backend in ("reference", "auto"):  # on the CPU "auto" is the reference
+        got = dispatch.lightning_indexer_fp8(q, k, w, starts=starts, ends=ends, backend=backend)
+        assert torch.equal(got, fp8_indexer_scores(q, k, w, hadamard=False, starts=starts, ends=ends, block_size=16))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="tilelang"):
+            dispatch.lightning_indexer_fp8(q, k, w, backend="tilelang")

@@ -18,6 +18,8 @@
 #              $OUT/bench_peers.json (+ .log, .png, known_kernels.md)
 #   profile    benchmarks/profile_layer_step.py: the layer step under torch.profiler at 4K/8K/16K
 #              tokens, both stages, to $OUT/profile_layer_step.{json,md}
+#   fp8        the fp8 indexer alone: its GPU tests, then benchmarks/bench_indexer_fp8.py (fp8 vs bf16
+#              kernel, every fp8 schedule, accuracy against the simulation, top-k overlap)
 # or one of the shorthands check = tests,tune, final = tests,refmem,cp,layers and
 # all = tests,tune,bench (the default).
 # Environment: TEST_TIMEOUT, TUNE_TIMEOUT (seconds); TUNE_KERNELS (default indexer,topk) and
@@ -50,6 +52,12 @@ if has tune; then
     timeout "${TUNE_TIMEOUT:-150}" python3 benchmarks/tune_kernels.py --kernels backward --out "$OUT/tune_bwd.json" \
       2>&1 | tee -a "$OUT/tune.log"
   fi
+fi
+if has fp8; then
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/test_kernels_indexer_fp8.py -q -p no:cacheprovider -rs \
+    --durations=10 2>&1 | tee "$OUT/gpu_tests_fp8.log"
+  timeout 400 python3 benchmarks/bench_indexer_fp8.py --out "$OUT/bench_indexer_fp8.json" 2>&1 \
+    | tee "$OUT/bench_indexer_fp8.log"
 fi
 if has bench; then
   python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"

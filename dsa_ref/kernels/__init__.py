@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-__all__ = ["available", "sparse_mla", "lightning_indexer", "topk_indices", "slot_ops", "chunk_selector"]
+__all__ = ["available", "sparse_mla", "lightning_indexer", "lightning_indexer_fp8", "topk_indices", "slot_ops",
+           "chunk_selector"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,6 +54,16 @@ def lightning_indexer(q, k, weights, *, starts=None, ends=None, relu=True):
     return lightning_indexer_tilelang(q, k, weights, starts=starts, ends=ends, relu=relu)
 
 
+def lightning_indexer_fp8(q, k, weights, *, starts=None, ends=None, relu=True):
+    """`dsa_ref.fp8.fp8_indexer_scores` (``hadamard=False``) on the fp8 TileLang kernel, or ``None`` for
+    unsupported inputs. No gradient."""
+    from .indexer_fwd_fp8 import indexer_fp8_supported, lightning_indexer_fp8_tilelang
+
+    if indexer_fp8_supported(q, k, weights) is not None:
+        return None
+    return lightning_indexer_fp8_tilelang(q, k, weights, starts=starts, ends=ends, relu=relu)
+
+
 def topk_indices(scores, topk):
     """`dsa_ref.topk_indices` on the TileLang radix-select kernel, or ``None`` for unsupported inputs."""
     from .topk import topk_indices_tilelang, topk_supported
@@ -82,22 +93,30 @@ def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
 
 
 # --8<-- [start:chunk_selector]
-def chunk_selector(q, k, weights):
+def chunk_selector(q, k, weights, *, fp8=False):
     """The per-chunk selector of `dsa_ref.streaming.streamed_topk_indices` on the kernels, or ``None``.
 
     For a chunk of queries and a range of keys: the TileLang indexer writes the chunk's
     ``[C, n]`` scores and the radix-select kernel keeps the top-k of each row, in the reference
-    order. ``None`` when the indexer kernel declines these operands.
+    order. ``None`` when the indexer kernel declines these operands. With ``fp8`` the scores
+    come from the fp8 kernel (each chunk's queries and key range quantised by
+    `dsa_ref.fp8.act_quant_block128`: one scale per vector, so chunking changes nothing).
     """
     from ..indexer import topk_indices as reference_topk
     from .autograd import indexer_supported, lightning_indexer_tilelang
 
-    if indexer_supported(q, k, weights) is not None:
+    if fp8:
+        from .indexer_fwd_fp8 import indexer_fp8_supported, lightning_indexer_fp8_tilelang
+
+        supported, score = indexer_fp8_supported, lightning_indexer_fp8_tilelang
+    else:
+        supported, score = indexer_supported, lightning_indexer_tilelang
+    if supported(q, k, weights) is not None:
         return None
 
     def select(q_c, k_c, w_c, topk, *, starts, ends, relu):
         with torch.no_grad():
-            scores = lightning_indexer_tilelang(q_c, k_c, w_c, starts=starts, ends=ends, relu=relu)  # [C, n]
+            scores = score(q_c, k_c, w_c, starts=starts, ends=ends, relu=relu)  # [C, n]
             picked = topk_indices(scores, topk)  # [C, topk], the radix-select kernel
             return reference_topk(scores, topk) if picked is None else picked  # a declined shape
 

@@ -42,6 +42,12 @@ BACKWARD_SCHEDULES = [
 # (with and without the ping-pong of two accumulators), and four queries per block.
 INDEXER_SCHEDULES = [dict(merge=1, pingpong=True), dict(merge=1), dict(block_q=4, pingpong=True)]
 
+# The fp8 indexer's (`indexer_fwd_fp8.indexer_fp8_kernel`, the same knobs) tested schedules besides its
+# default; with fp8 operands the queries of a block take half the shared memory, so more of them fit.
+# `INDEXER_FP8_TUNE` adds what benchmarks/bench_indexer_fp8.py and tune_kernels.py time besides.
+INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(block_q=4, pingpong=True)]
+INDEXER_FP8_TUNE = [dict(block_q=8, pingpong=True)]
+
 
 def kernel_set():
     """``(builder_name, args[, kwargs])`` for every kernel the tests and benchmarks compile."""
@@ -58,6 +64,10 @@ def kernel_set():
         jobs.append(("indexer", (h, INDEXER_DIM, True)))
         jobs.append(("scores_at", (h, INDEXER_DIM, True)))
         jobs.append(("scores_at_backward", (h, INDEXER_DIM, True)))
+    for h in INDEXER_HEADS:
+        jobs.append(("indexer_fp8", (h, INDEXER_DIM, True)))
+    jobs.append(("indexer_fp8", (64, INDEXER_DIM, False)))
+    jobs += [("indexer_fp8", (64, INDEXER_DIM, True), kw) for kw in INDEXER_FP8_SCHEDULES]
     jobs.append(("scores_at", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at_backward", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at", (16, 64, True)))
@@ -70,7 +80,7 @@ def kernel_set():
 
 def build(name, args, kwargs=None):
     """Compile one kernel of `kernel_set` (TileLang caches it on disk)."""
-    from . import attention_target, indexer_bwd, indexer_fwd, sparse_mla_bwd, sparse_mla_fwd, topk
+    from . import attention_target, indexer_bwd, indexer_fwd, indexer_fwd_fp8, sparse_mla_bwd, sparse_mla_fwd, topk
 
     builders = {
         "simple": sparse_mla_fwd.simple_kernel,
@@ -78,6 +88,7 @@ def build(name, args, kwargs=None):
         "backward": sparse_mla_bwd.backward_kernel,
         "delta": sparse_mla_bwd.delta_kernel,
         "indexer": indexer_fwd.indexer_kernel,
+        "indexer_fp8": indexer_fwd_fp8.indexer_fp8_kernel,
         "scores_at": indexer_bwd.selected_scores_kernel,
         "scores_at_backward": indexer_bwd.indexer_backward_kernel,
         "topk": topk.topk_kernel,
