@@ -131,8 +131,10 @@ def tiled_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: 
     any_nan = torch.zeros((), dtype=torch.bool, device=q.device)
     for lo in range(0, n, key_tile):
         hi = min(lo + key_tile, n)
-        tile_starts, tile_ends = shift_windows(starts, ends, lo, hi)  # [C] each
-        scores = lightning_indexer(q, k[lo:hi], weights, starts=tile_starts, ends=tile_ends, relu=relu)  # [C, hi-lo]
+        scores = lightning_indexer(q, k[lo:hi], weights, relu=relu)  # [C, hi - lo], every key of the tile
+        key = torch.arange(lo, hi, device=q.device)  # [hi - lo]
+        inside = (key[None, :] >= starts[:, None]) & (key[None, :] < ends[:, None])  # [C, hi - lo]
+        scores = torch.where(inside, scores, torch.full((), float("-inf"), dtype=scores.dtype, device=q.device))
         any_nan = any_nan | torch.isnan(scores).any()
         best_values, best_indices = merge_topk(best_values, best_indices, scores, lo)
     if bool(any_nan):

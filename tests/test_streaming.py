@@ -123,6 +123,36 @@ def test_streamed_selection_without_windows_empty_windows_and_large_k():
     assert (got[[0, 1, 7]] == -1).all()
 
 
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), float("-inf"), 1e30], ids=["nan", "inf", "-inf", "1e30"])
+def test_streamed_selection_ignores_keys_outside_every_window(junk):
+    """A tile is scored on all its keys, then masked: garbage in keys no window holds (a CP rank's
+    windows leave keys 18-23 and 54-63 out) changes nothing and raises nothing."""
+    starts, ends, S = _windows("cp")
+    q, k, w = _indexer_inputs(starts.numel(), S, seed=2)
+    key = torch.arange(S)
+    unread = ~((key[None, :] >= starts[:, None]) & (key[None, :] < ends[:, None])).any(dim=0)  # [S]
+    assert unread.sum() == 16
+    clean, dirty = k.clone(), k.clone()
+    clean[unread], dirty[unread] = 0.0, junk
+    want = topk_indices(lightning_indexer(q, clean, w, starts=starts, ends=ends), 6)
+    for chunk, tile in ((None, None), (4, 3), (16, 13), (100, 8)):
+        got = streamed_topk_indices(q, dirty, w, 6, starts=starts, ends=ends, query_chunk=chunk, key_tile=tile)
+        assert torch.equal(got, want)
+
+
+def test_streamed_selection_rows_never_see_keys_outside_their_window():
+    """Key 20 is huge: the rows whose windows end before it (or lie in other documents) keep their selection."""
+    starts, ends, S = _windows("packed")
+    q, k, w = _indexer_inputs(starts.numel(), S, seed=3)
+    dirty = k.clone()
+    dirty[20] = 1e30
+    rows = (ends <= 20) | (starts > 20)
+    want = topk_indices(lightning_indexer(q, k, w, starts=starts, ends=ends), 6)
+    for chunk, tile in ((None, None), (4, 3), (16, 13)):
+        got = streamed_topk_indices(q, dirty, w, 6, starts=starts, ends=ends, query_chunk=chunk, key_tile=tile)
+        assert torch.equal(got[rows], want[rows]) and not torch.equal(got, want)
+
+
 def test_streamed_selection_bad_inputs():
     q, k, w = _indexer_inputs(4, 6)
     with pytest.raises(ValueError, match="topk"):
