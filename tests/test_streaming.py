@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsa_ref import dispatch, streaming, streaming_loss
+from dsa_ref import dispatch, streaming, streaming_loss, streaming_slots
 from dsa_ref.attention import dense_mla_attention
 from dsa_ref.config import tiny
 from dsa_ref.dsa import DSAttention, IndexerLossAutoScaler
@@ -318,6 +318,7 @@ def test_layer_equals_the_layer_with_index_scores(stage, path, monkeypatch):
     monkeypatch.setattr(streaming_loss, "DEFAULT_KEY_TILE", 5)
     monkeypatch.setattr(streaming, "DEFAULT_CHUNK_ELEMENTS", 4 * 5 * 4)
     monkeypatch.setattr(streaming_loss, "DEFAULT_CHUNK_ELEMENTS", 4 * 5 * 4)
+    monkeypatch.setattr(streaming_slots, "DEFAULT_CHUNK_ELEMENTS", 3000)  # the sparse stage: about 3 rows a chunk
     monkeypatch.setattr(streaming, "KERNEL_SCORE_ELEMENTS", 64)
     monkeypatch.setattr(streaming_loss, "KERNEL_SCORE_ELEMENTS", 64)
     if path == "slots":  # the kernel path's structure, on the readable ops
