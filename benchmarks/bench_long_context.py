@@ -3,6 +3,8 @@
     python benchmarks/bench_long_context.py --precompile --budget-s 330 --out "$OUT"    # H200
     python benchmarks/bench_long_context.py --device cpu --scale tiny --target-backend reference  # CPU smoke test
     python benchmarks/bench_long_context.py --plot long_context.json --png docs/assets/long_context.png
+    python benchmarks/bench_long_context.py --points reference:sparse:65536,reference:sparse:131072 \
+        --point-timeout-s 240 --budget-s 560 --out "$OUT"                     # the reference at 64K and 128K
 
 DeepSeek-V3.2's layer (128 heads, top-k 2048, indexer 64 x 128) in bf16; every parameter and the
 input train (``output.float().square().mean().backward()``, as benchmarks/bench_kernels.py's layer
@@ -21,6 +23,15 @@ exceeds what is left, or ``--point-limit-s``, is skipped and recorded as skipped
    comparison of bench_kernels.py: the same step, the same timing).
 3. ``curve``: 8K ... 128K tokens, both stages, TileLang first, then the reference while it fits.
 
+``--backends``, ``--stages`` and ``--tokens`` keep only the points they name; ``--points`` names
+whole-sequence points one by one, measured in that order (``reference:sparse:131072,...``). ``--point-timeout-s``
+measures every point in a child process of its own and stops it after that many seconds (or when the
+budget runs out), recording ``"error": "timed out ..."``: a slow point cannot eat the whole run, and
+a point's memory is gone when its process ends. With it, a point is skipped only when the budget is
+spent, not by the quadratic prediction. ``--profile-tokens N`` adds, for each reference point of at
+most ``N`` tokens, one more step under ``torch.profiler`` and writes its busiest operations to
+``profile_<stage>_<tokens>.txt``.
+
 Output in ``--out``: ``long_context.json`` (meta + one record per point) and ``long_context.png``
 (memory and time against context length). ``--precompile`` first compiles the kernels this
 benchmark uses, in parallel processes (TileLang's disk cache keeps them).
@@ -33,6 +44,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -150,8 +162,10 @@ def layer_dtype(layer: DSAttention) -> torch.dtype:
     return next(layer.mla.parameters()).dtype
 
 
-def run_point(layer: DSAttention, point: dict, device: torch.device, reps: int) -> dict:
-    """Measure one point: ``point_s`` (wall time of the whole point), ``step_s`` (median), peak memory."""
+def run_point(layer: DSAttention, point: dict, device: torch.device, reps: int, profile_dir: str | None = None) -> dict:
+    """Measure one point: ``point_s`` (wall time of the whole point), ``step_s`` (median), peak memory.
+
+    ``profile_dir``: also profile one more step there (`profile_step`)."""
     row = dict(point)
     layer.backend = point["backend"]
     t0 = time.perf_counter()
@@ -174,6 +188,8 @@ def run_point(layer: DSAttention, point: dict, device: torch.device, reps: int) 
         row["reps"] = len(times)
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+        if profile_dir is not None:
+            row["profile"] = profile_step(step, layer, x, point, device, profile_dir)
     except _OOM as err:
         row["error"] = "out of memory: " + str(err).split("\n")[0][:200]
     except RuntimeError as err:  # e.g. a kernel that declines, or CUDA OOM raised as RuntimeError
@@ -186,6 +202,60 @@ def run_point(layer: DSAttention, point: dict, device: torch.device, reps: int) 
             torch.cuda.empty_cache()
     row["point_s"] = time.perf_counter() - t0
     return row
+
+
+def profile_step(step, layer: DSAttention, x: torch.Tensor, point: dict, device: torch.device, out_dir: str) -> str:
+    """One more step under ``torch.profiler``; its 40 busiest operations go to a text file, whose name is returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    name = f"profile_{point['stage']}_{point['tokens']}.txt"
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write(json.dumps(point) + "\n")
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+    return name
+
+
+def make_layer(scale: str, device: torch.device) -> DSAttention:
+    """The layer every point measures (the same weights in every process: seed 0)."""
+    torch.manual_seed(0)
+    if scale == "full":
+        return DSAttention(deepseek_v32(), device=device, dtype=torch.bfloat16)
+    return DSAttention(tiny(), device=device, dtype=torch.float32)
+
+
+def run_point_in_child(point: dict, args, timeout_s: float, profile: bool) -> dict:
+    """`run_point` in a fresh process of this script (``--child``), stopped after ``timeout_s`` seconds."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(point), "--device", args.device,
+           "--scale", args.scale, "--reps", str(args.reps), "--out", args.out] + (["--child-profile"] if profile else [])
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(point, error=f"timed out after {timeout_s:g} s (stopped)", point_s=time.perf_counter() - t0)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return dict(point, error=f"child exited with {done.returncode}: {' | '.join(tail)[:300]}",
+                    point_s=time.perf_counter() - t0)
+    row = json.loads(lines[-1])
+    row["process_s"] = time.perf_counter() - t0  # the point plus the child's start (imports, CUDA, weights)
+    return row
+
+
+def wanted(point: dict, args) -> bool:
+    """Whether the point passes ``--groups``, ``--backends``, ``--stages`` and ``--tokens`` (or is named in ``--points``)."""
+    if args.points:
+        return point["kind"] == "whole" and f"{point['backend']}:{point['stage']}:{point['tokens']}" in args.points.split(",")
+    checks = ((args.groups, point["group"]), (args.backends, point["backend"]), (args.stages, point["stage"]),
+              (args.tokens, str(point["tokens"])))
+    return all(not allowed or value in allowed.split(",") for allowed, value in checks)
 
 
 # ------------------------------------------------------------------------------------ precompile
@@ -299,6 +369,17 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=330.0, help="seconds for all points together")
     parser.add_argument("--point-limit-s", type=float, default=60.0, help="skip a point predicted to take longer")
     parser.add_argument("--groups", default="targets,step,curve")
+    parser.add_argument("--backends", default="", help="comma-separated: only these backends (default all)")
+    parser.add_argument("--stages", default="", help="comma-separated: only these stages (default both)")
+    parser.add_argument("--tokens", default="", help="comma-separated: only these token counts (default all)")
+    parser.add_argument("--points", default="", help="comma-separated backend:stage:tokens (whole sequences), "
+                        "measured in this order; replaces the four filters above")
+    parser.add_argument("--point-timeout-s", type=float, default=0.0,
+                        help="measure each point in a child process, stopped after this many seconds (0: in process)")
+    parser.add_argument("--profile-tokens", type=int, default=0,
+                        help="profile one more step of each reference point up to this many tokens")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target-backend", default="tilelang", help="backend of the targets (reference: a CPU smoke test)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "build/bench"))
@@ -314,34 +395,43 @@ def main() -> int:
     t_start = time.perf_counter()
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
+    if args.child:  # one point, in this process, for a parent that runs it with --point-timeout-s
+        row = run_point(make_layer(args.scale, device), json.loads(args.child), device, args.reps,
+                        args.out if args.child_profile else None)
+        print(json.dumps(row), flush=True)
+        return 0
     if args.precompile:
         precompile(args.jobs)
     deadline = time.perf_counter() + args.budget_s
-    torch.manual_seed(0)
-    if args.scale == "full":
-        layer = DSAttention(deepseek_v32(), device=device, dtype=torch.bfloat16)
-    else:
-        layer = DSAttention(tiny(), device=device, dtype=torch.float32)
+    isolated = args.point_timeout_s > 0
+    layer = None if isolated else make_layer(args.scale, device)
     from dsa_ref.dispatch import kernels_available
 
     kernels_ok, why = kernels_available() if device.type == "cuda" else (False, f"device {device}")
     results = {"meta": meta(device, args), "points": []}
     done: dict[tuple, dict] = {}
-    groups = args.groups.split(",")
-    for point in point_list(args.scale, args.target_backend):
-        if point["group"] not in groups:
-            continue
+    points = [p for p in point_list(args.scale, args.target_backend) if wanted(p, args)]
+    if args.points:  # in the order named
+        order = args.points.split(",")
+        points.sort(key=lambda p: order.index(f"{p['backend']}:{p['stage']}:{p['tokens']}"))
+    for point in points:
         left = deadline - time.perf_counter()
+        if _key(point) in done and args.points:
+            continue  # named once, measured once
         if _key(point) in done:  # measured already (a target, or the step comparison)
             row = dict(done[_key(point)], group=point["group"], reused=True)
         elif point["backend"] == "tilelang" and not kernels_ok:
             row = dict(point, skipped=f"kernels unavailable: {why}")
         else:
-            guess = predicted_seconds(point, list(done.values()))
-            if left <= 0 or (guess is not None and guess > min(left, args.point_limit_s)):
+            guess = None if isolated else predicted_seconds(point, list(done.values()))
+            profile = point["backend"] == "reference" and point["tokens"] <= args.profile_tokens
+            if left <= (30 if isolated else 0) or (guess is not None and guess > min(left, args.point_limit_s)):
                 row = dict(point, skipped=f"predicted {guess or 0:.0f} s, {max(left, 0):.0f} s left")
+            elif isolated:
+                row = run_point_in_child(point, args, min(args.point_timeout_s, left), profile)
+                done[_key(point)] = row
             else:
-                row = run_point(layer, point, device, args.reps)
+                row = run_point(layer, point, device, args.reps, args.out if profile else None)
                 done[_key(point)] = row
         results["points"].append(row)
         print(json.dumps(row), flush=True)

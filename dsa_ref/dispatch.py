@@ -78,9 +78,10 @@ def _run(op: str, backend: str, reference: Callable[..., Any], args: tuple, kwar
     return reference(*args, **kwargs) if result is None else result
 
 
-def sparse_mla(q, kv, indices, *, sm_scale, d_v=512, backend="reference"):
-    """`dsa_ref.sparse_mla` through the chosen backend."""
-    return _run("sparse_mla", backend, _sparse.sparse_mla, (q, kv, indices),
+def sparse_mla(q, kv, indices, *, sm_scale, d_v=512, backend="reference", reference=None):
+    """`dsa_ref.sparse_mla` through the chosen backend; ``reference`` replaces the readable function
+    (`DSAttention` passes the chunked one of chapter 7, `dsa_ref.streaming_slots.chunked_sparse_mla`)."""
+    return _run("sparse_mla", backend, reference or _sparse.sparse_mla, (q, kv, indices),
                 dict(sm_scale=sm_scale, d_v=d_v), q.device)
 
 

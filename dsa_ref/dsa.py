@@ -43,12 +43,12 @@ from .absorbed_mla import AbsorbedMLA
 from .attention import dense_mla_attention
 from .config import DSAConfig
 from .fp8 import fp8_selection_operands
-from .indexer import LightningIndexer, index_scores_at
+from .indexer import LightningIndexer
 from .layout import key_windows, positions
 from .mla import MLA, check_tokens, tokens_cu_seqlens
 from .slot_path import SlotOps, attention_and_loss_on_slots
-from .sparse_attention import attention_head_sum
 from .streaming import streamed_topk_indices
+from .streaming_slots import chunked_attention_head_sum, chunked_index_scores_at, chunked_sparse_mla
 from .streaming_loss import streamed_indexer_loss, windowed_attention_on_slots
 
 __all__ = ["DSAttention", "DSAOutput", "IndexerLossAutoScaler", "STAGES", "check_shared_topk",
@@ -239,8 +239,9 @@ class DSAttention(nn.Module):
         loss_args = dict(reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
                          head_sum_reduce=head_sum_reduce)
         if stage == "sparse":  # attention over the selection; the loss on its [T_q, K] slots (`slot_path`)
-            readable = SlotOps(sparse_mla=functools.partial(dispatch.sparse_mla, backend=self.backend),
-                               attention_head_sum=attention_head_sum, index_scores_at=index_scores_at)
+            readable = SlotOps(sparse_mla=functools.partial(dispatch.sparse_mla, backend=self.backend,
+                                                            reference=chunked_sparse_mla),
+                               attention_head_sum=chunked_attention_head_sum, index_scores_at=chunked_index_scores_at)
             o_latent, loss = attention_and_loss_on_slots(
                 q, kv, q_i, k_i, w_i, topk, stage=stage, sm_scale=self.mla.softmax_scale, d_v=cfg.mla.kv_lora_rank,
                 relu=cfg.indexer.use_relu, starts=starts, ends=ends, row_mask=loss_row_mask,
@@ -275,8 +276,8 @@ class DSAttention(nn.Module):
             o_latent, _ = dense_mla_attention(q, kv, sm_scale=self.mla.softmax_scale,
                                               d_v=cfg.mla.kv_lora_rank, starts=starts, ends=ends)  # [T_q, H, r]
         else:
-            o_latent, _ = dispatch.sparse_mla(q, kv, topk, sm_scale=self.mla.softmax_scale,
-                                              d_v=cfg.mla.kv_lora_rank, backend=self.backend)  # [T_q, H, r]
+            o_latent, _ = dispatch.sparse_mla(q, kv, topk, sm_scale=self.mla.softmax_scale, d_v=cfg.mla.kv_lora_rank,
+                                              backend=self.backend, reference=chunked_sparse_mla)  # [T_q, H, r]
         loss = torch.zeros((), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
                            device=x.device)  # no indexer, no loss
         return self._finish(o_latent, loss, topk)

@@ -246,7 +246,7 @@ def index_scores_at(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ind
         weights: ``[T, H_I]`` head weights.
         indices: int ``[T, K]`` selected keys, ``-1`` = unused slot (duplicates allowed).
         relu: as in `lightning_indexer`.
-        chunk_size: queries per chunk; bounds the ``[chunk, H_I, K]`` intermediate.
+        chunk_size: queries per chunk; bounds the ``[chunk, H_I, K]`` logits and ``[chunk, K, D_I]`` gathered keys.
 
     Returns:
         ``[T, K]`` float32 (float64 for float64 inputs); ``-inf`` at ``-1`` slots.
@@ -267,7 +267,7 @@ def index_scores_at(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ind
         scores = torch.einsum("thk,th->tk", logits, w_c.to(acc))  # [C, K]
         return (torch.where(valid, scores, torch.full((), float("-inf"), dtype=acc, device=scores.device)),)
 
-    chunk = auto_chunk_size(T, H * max(indices.shape[1], 1), chunk_size)
+    chunk = auto_chunk_size(T, max(indices.shape[1], 1) * max(H, q.shape[2]), chunk_size)  # [C, K, D_I], [C, H_I, K]
     (scores,) = run_chunked(score, T, chunk, (q, weights, indices), (k,))
     return scores
 # --8<-- [end:index_scores_at]

@@ -171,7 +171,7 @@ def attention_head_sum(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         return (torch.where(valid, probs.sum(dim=1), torch.zeros((), dtype=acc, device=q_c.device)),)  # [C, K]
 
     with torch.no_grad():
-        chunk = auto_chunk_size(T, H * max(indices.shape[1], 1), chunk_size)
+        chunk = auto_chunk_size(T, max(indices.shape[1], 1) * max(H, D), chunk_size)  # [C, K, D] rows, [C, H, K] logits
         (out,) = run_chunked(mass, T, chunk, (q.detach(), indices, lse.detach()), (kv.detach(),))
     return out
 # --8<-- [end:attention_head_sum]

@@ -20,9 +20,11 @@ highest first and equal values in ascending key order. A new tile is appended be
 * ``-inf`` (outside the window) sorts last and is turned into ``-1`` at the end, so ``-inf`` keys
   are never selected and a row with fewer than ``k`` selectable keys is padded with ``-1``.
 
-The result equals ``topk_indices(lightning_indexer(...))`` exactly, index for index, because the
-tile's scores are computed by `lightning_indexer` itself on the tile's keys. Memory:
-``O(T k + C (k + tile) + C H_I tile)``.
+A tile is scored by `lightning_indexer` on *all* its keys (one product, no windows) and then masked
+to each row's window with ``torch.where`` (``-inf`` outside). A score involves one key only, so a
+key outside a row's window -- garbage included -- stays in its own masked column. The result
+equals ``topk_indices(lightning_indexer(...))`` index for index: the same scores, the same rule.
+Memory: ``O(T k + C (k + tile) + C H_I tile)``.
 
 **The fast path** (`dsa_ref.kernels.chunk_selector`) shares the query chunking and the key range
 of each chunk and replaces the per-chunk work with two kernels: the TileLang indexer writes the
@@ -131,8 +133,10 @@ def tiled_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: 
     any_nan = torch.zeros((), dtype=torch.bool, device=q.device)
     for lo in range(0, n, key_tile):
         hi = min(lo + key_tile, n)
-        tile_starts, tile_ends = shift_windows(starts, ends, lo, hi)  # [C] each
-        scores = lightning_indexer(q, k[lo:hi], weights, starts=tile_starts, ends=tile_ends, relu=relu)  # [C, hi-lo]
+        scores = lightning_indexer(q, k[lo:hi], weights, relu=relu)  # [C, hi - lo], every key of the tile
+        key = torch.arange(lo, hi, device=q.device)  # [hi - lo]
+        inside = (key[None, :] >= starts[:, None]) & (key[None, :] < ends[:, None])  # [C, hi - lo]
+        scores = torch.where(inside, scores, torch.full((), float("-inf"), dtype=scores.dtype, device=q.device))
         any_nan = any_nan | torch.isnan(scores).any()
         best_values, best_indices = merge_topk(best_values, best_indices, scores, lo)
     if bool(any_nan):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsa_ref import dispatch, streaming, streaming_loss
+from dsa_ref import dispatch, streaming, streaming_loss, streaming_slots
 from dsa_ref.attention import dense_mla_attention
 from dsa_ref.config import tiny
 from dsa_ref.dsa import DSAttention, IndexerLossAutoScaler
@@ -121,6 +121,36 @@ def test_streamed_selection_without_windows_empty_windows_and_large_k():
     got = streamed_topk_indices(q, k, w, 5, starts=starts, ends=ends, query_chunk=2, key_tile=4)
     assert torch.equal(got, topk_indices(lightning_indexer(q, k, w, starts=starts, ends=ends), 5))
     assert (got[[0, 1, 7]] == -1).all()
+
+
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), float("-inf"), 1e30], ids=["nan", "inf", "-inf", "1e30"])
+def test_streamed_selection_ignores_keys_outside_every_window(junk):
+    """A tile is scored on all its keys, then masked: garbage in keys no window holds (a CP rank's
+    windows leave keys 18-23 and 54-63 out) changes nothing and raises nothing."""
+    starts, ends, S = _windows("cp")
+    q, k, w = _indexer_inputs(starts.numel(), S, seed=2)
+    key = torch.arange(S)
+    unread = ~((key[None, :] >= starts[:, None]) & (key[None, :] < ends[:, None])).any(dim=0)  # [S]
+    assert unread.sum() == 16
+    clean, dirty = k.clone(), k.clone()
+    clean[unread], dirty[unread] = 0.0, junk
+    want = topk_indices(lightning_indexer(q, clean, w, starts=starts, ends=ends), 6)
+    for chunk, tile in ((None, None), (4, 3), (16, 13), (100, 8)):
+        got = streamed_topk_indices(q, dirty, w, 6, starts=starts, ends=ends, query_chunk=chunk, key_tile=tile)
+        assert torch.equal(got, want)
+
+
+def test_streamed_selection_rows_never_see_keys_outside_their_window():
+    """Key 20 is huge: the rows whose windows end before it (or lie in other documents) keep their selection."""
+    starts, ends, S = _windows("packed")
+    q, k, w = _indexer_inputs(starts.numel(), S, seed=3)
+    dirty = k.clone()
+    dirty[20] = 1e30
+    rows = (ends <= 20) | (starts > 20)
+    want = topk_indices(lightning_indexer(q, k, w, starts=starts, ends=ends), 6)
+    for chunk, tile in ((None, None), (4, 3), (16, 13)):
+        got = streamed_topk_indices(q, dirty, w, 6, starts=starts, ends=ends, query_chunk=chunk, key_tile=tile)
+        assert torch.equal(got[rows], want[rows]) and not torch.equal(got, want)
 
 
 def test_streamed_selection_bad_inputs():
@@ -288,6 +318,7 @@ def test_layer_equals_the_layer_with_index_scores(stage, path, monkeypatch):
     monkeypatch.setattr(streaming_loss, "DEFAULT_KEY_TILE", 5)
     monkeypatch.setattr(streaming, "DEFAULT_CHUNK_ELEMENTS", 4 * 5 * 4)
     monkeypatch.setattr(streaming_loss, "DEFAULT_CHUNK_ELEMENTS", 4 * 5 * 4)
+    monkeypatch.setattr(streaming_slots, "DEFAULT_CHUNK_ELEMENTS", 3000)  # the sparse stage: about 3 rows a chunk
     monkeypatch.setattr(streaming, "KERNEL_SCORE_ELEMENTS", 64)
     monkeypatch.setattr(streaming_loss, "KERNEL_SCORE_ELEMENTS", 64)
     if path == "slots":  # the kernel path's structure, on the readable ops
