@@ -2,7 +2,7 @@
 # Chapter 6 on one GPU: the four runs of `dsa-ref train` (dense, dsa, dsa_no_warmup, dense_continued)
 # with the TileLang kernels at a long context, then the step time of dense against sparse there.
 #
-#   OUT=/tmp/out bash benchmarks/train_gpu.sh            # on the H200 (about 7 minutes, 1 seed)
+#   OUT=/tmp/out bash benchmarks/train_gpu.sh            # on the H200 (about 5 minutes, 1 seed)
 #   DEVICE=cpu BACKEND=reference MODEL=tiny CONTEXT=256 TOPK=32 STEPS_DENSE=6 SHORT_STEPS=4 \
 #     STEPS_WARMUP=2 STEPS_SPARSE=2 OUT=/tmp/o bash benchmarks/train_gpu.sh   # a CPU smoke test
 #
@@ -17,10 +17,10 @@ OUT=${OUT:-build/train_gpu}; mkdir -p "$OUT"
 RUN_DIR=${RUN_DIR:-/tmp/dsa_train_gpu_run}
 DEVICE=${DEVICE:-cuda}; BACKEND=${BACKEND:-tilelang}; MODEL=${MODEL:-gpu}
 CONTEXT=${CONTEXT:-8192}; TOPK=${TOPK:-512}; SEEDS=${SEEDS:-1}; BATCH=${BATCH:-4}
-NUM_PAIRS=${NUM_PAIRS:-8}; VOCAB=${VOCAB:-24}
-SHORT_CONTEXT=${SHORT_CONTEXT:-128}; SHORT_STEPS=${SHORT_STEPS:-150}; STEPS_DENSE=${STEPS_DENSE:-250}
+NUM_PAIRS=${NUM_PAIRS:-16}; VOCAB=${VOCAB:-48}; LR=${LR:-0.001}
+SHORT_CONTEXT=${SHORT_CONTEXT:-128}; SHORT_STEPS=${SHORT_STEPS:-150}; STEPS_DENSE=${STEPS_DENSE:-300}
 STEPS_WARMUP=${STEPS_WARMUP:-40}; STEPS_SPARSE=${STEPS_SPARSE:-80}
-EVAL_EVERY=${EVAL_EVERY:-20}; EVAL_BATCH=${EVAL_BATCH:-16}
+EVAL_EVERY=${EVAL_EVERY:-25}; EVAL_BATCH=${EVAL_BATCH:-16}
 
 if [ "$BACKEND" != reference ] && [ -f .gpu/tilelang-0.1.15-cp312-site.tar.xz ]; then
   # the TileLang setup of tools/gpu_session.sh
@@ -48,7 +48,7 @@ fi
 rm -rf "$RUN_DIR"
 start=$(date +%s)
 python3 -m dsa_ref train --task mqar --context "$CONTEXT" --topk "$TOPK" --seeds "$SEEDS" --device "$DEVICE" \
-  --backend "$BACKEND" --out "$RUN_DIR" --no-progress --num-pairs "$NUM_PAIRS" --vocab-size "$VOCAB" \
+  --backend "$BACKEND" --out "$RUN_DIR" --no-progress --num-pairs "$NUM_PAIRS" --vocab-size "$VOCAB" --lr "$LR" \
   --batch-size "$BATCH" --short-context "$SHORT_CONTEXT" --short-context-steps "$SHORT_STEPS" \
   --steps-dense "$STEPS_DENSE" --steps-warmup "$STEPS_WARMUP" --steps-sparse "$STEPS_SPARSE" \
   --eval-every "$EVAL_EVERY" --eval-batch-size "$EVAL_BATCH" --checkpoint-every 1000 "${model[@]}" \
