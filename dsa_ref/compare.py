@@ -15,7 +15,9 @@ Metrics of ``compare(actual, expected)`` (all computed in float64):
   means a *systematic* error such as a wrong scale;
 * **non-finite** counts: NaN/inf in ``actual``, and positions where ``actual`` and ``expected`` disagree
   on finiteness (equal infinities, e.g. ``lse = -inf`` on empty rows, count as exact matches);
-* **elementwise** violations of $|a - e| \le \text{atol}\cdot\operatorname{rms}(e) + \text{rtol}\,|e|$;
+* **elementwise** violations of $|a - e| \le \text{atol}\cdot\operatorname{rms}(e) + \text{rtol}\,|e|$,
+  or, when the caller passes the ``magnitude`` $m$ of a sum (its terms' absolute values summed),
+  of $|a - e| \le \text{atol}\cdot\operatorname{rms}(e) + \text{rtol}\,m$ (see `compare`);
 * **per-head worst rows**: for every head, the row with the largest error (a bug in one head or one
   head block shows up as one head standing out).
 
@@ -188,6 +190,8 @@ class Comparison:
         numel: number of elements.
         worst_rows: per head, the row with the largest error (empty when there is no head dim).
         failures: human-readable reasons for failing (empty when ``ok``).
+        magnitude_based: whether the elementwise relative term was ``rtol * magnitude`` (a
+            ``magnitude`` was passed to `compare`) rather than ``rtol * |expected|``.
     """
 
     name: str
@@ -208,6 +212,7 @@ class Comparison:
     numel: int
     worst_rows: list[WorstRow] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    magnitude_based: bool = False
 
     @property
     def ok(self) -> bool:
@@ -237,7 +242,7 @@ class Comparison:
             lines.append(f"  at {self.max_abs_index}: actual {self.max_abs_actual:.6g}, expected "
                          f"{self.max_abs_expected:.6g}, allowed |err| {self.allowed_at_max:.3g}")
         unit = "rms" if self.tol.atol_scaled else "1"
-        lines.append(f"  elementwise: {self.violations} of {self.numel} outside atol*{unit} + rtol*|e| "
+        lines.append(f"  elementwise: {self.violations} of {self.numel} outside atol*{unit} + {self._relative_term()} "
                      f"(atol {self.tol.atol:.1e}, rtol {self.tol.rtol:.1e}); worst ratio {self.worst_ratio:.3g}")
         if self.nonfinite_mismatch:
             lines.append(f"  non-finite mismatch at {self.nonfinite_mismatch} positions")
@@ -250,6 +255,9 @@ class Comparison:
             lines.append(f"  FAIL: {failure}")
         return "\n".join(lines)
 
+    def _relative_term(self) -> str:
+        return "rtol*magnitude" if self.magnitude_based else "rtol*|e|"
+
     def as_dict(self) -> dict:
         """The metrics as plain Python values (for JSON)."""
         return {
@@ -258,15 +266,30 @@ class Comparison:
             "max_abs_index": None if self.max_abs_index is None else list(self.max_abs_index),
             "allowed_at_max": self.allowed_at_max, "worst_ratio": self.worst_ratio, "cosine": self.cosine,
             "nonfinite_actual": self.nonfinite_actual, "nonfinite_mismatch": self.nonfinite_mismatch,
-            "violations": self.violations, "failures": list(self.failures),
+            "violations": self.violations, "failures": list(self.failures), "magnitude_based": self.magnitude_based,
             "tolerance": {"rel_l2": self.tol.rel_l2, "atol": self.tol.atol, "rtol": self.tol.rtol,
                           "min_cosine": self.tol.min_cosine, "atol_scaled": self.tol.atol_scaled},
         }
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor", tol: Tolerance | None = None,
-            head_dim: int | None = -1) -> Comparison:
-    """Compare a kernel's tensor with the reference and report every metric (see the module docs).
+            head_dim: int | None = -1, magnitude: torch.Tensor | None = None) -> Comparison:
+    r"""Compare a kernel's tensor with the reference and report every metric (see the module docs).
+
+    **Magnitude-based elementwise bound.** When ``expected`` is a sum $e = \sum_i x_i$ (a gradient
+    accumulated over many contributions), the rounding error of any computed sum is bounded by the
+    sum of the terms' absolute values, not by $|e|$: with per-term errors $|\hat x_i - x_i| \le
+    c\,u\,|x_i|$ and an accumulation of $n$ terms, $|\hat e - e| \le (c\,u + \gamma_n)\,m$ with
+    $m = \sum_i |x_i|$ (Higham, *Accuracy and Stability of Numerical Algorithms*, sec. 4.2). Where the
+    terms cancel, $|e| \ll m$ and a bound relative to $|e|$ cannot tell rounding from a bug. Passing
+    ``magnitude`` $= m$ makes the elementwise test
+
+    $$ |a - e| \le \text{atol}\cdot\operatorname{rms}(e) + \text{rtol}\cdot m $$
+
+    instead of $\ldots + \text{rtol}\,|e|$. For a given ``rtol``, $m \ge |e|$ means this only loosens
+    the bound, and by much only where the terms cancel; relative L2 and cosine are unchanged. The
+    caller picks the ``tol.rtol`` that bounds its errors relative to $m$ (for sparse-MLA gradients:
+    `dsa_ref.oracle.accumulation_rtol`).
 
     Args:
         actual: the kernel's output, any float dtype and shape.
@@ -276,9 +299,16 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
         head_dim: the dim that indexes heads, for the per-head worst rows; ``-1`` (default) picks
             dim ``ndim - 2`` for tensors of 3 or more dims (``[T, H, D]``, ``[B, S, H, D]``) and none
             otherwise; ``None`` disables the per-head report. For a ``[T, H]`` LSE pass ``head_dim=1``.
+        magnitude: optional float tensor shaped like ``expected``, finite and ``>= 0``: the
+            magnitude $m$ of each expected element (the sum of its terms' absolute values, so
+            $m \ge |e|$). When given, the elementwise relative term is ``rtol * magnitude``; ``None``
+            (default) keeps ``rtol * |expected|``.
 
     Returns:
-        A `Comparison`.
+        A `Comparison` (``magnitude_based`` says which relative term was used).
+
+    Raises:
+        ValueError: shapes differ, or ``magnitude`` has the wrong shape or a negative or non-finite entry.
     """
     check_float("actual", actual)
     check_float("expected", expected)
@@ -293,6 +323,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
         head_dim = actual.dim() - 2 if actual.dim() >= 3 else None
     if head_dim is not None and not (isinstance(head_dim, int) and 0 <= head_dim < actual.dim()):
         raise ValueError(f"head_dim must be None, -1 or a dim index in [0, {actual.dim()}), got {head_dim!r}")
+    if magnitude is not None:
+        _check_magnitude(magnitude, expected, name)
 
     # float64 on actual's device (a GPU comparison of [4096, 128, 512] outputs stays on the GPU)
     a = actual.detach().to(dtype=torch.float64)
@@ -317,7 +349,12 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
         cosine = 1.0 if ref_norm == act_norm else 0.0
     n_fin = int(fin_e.sum())
     rms = ref_norm / math.sqrt(n_fin) if n_fin else 0.0
-    bound = tol.atol * (rms if tol.atol_scaled else 1.0) + tol.rtol * ez.abs()  # [..]
+    if magnitude is None:
+        relative = ez.abs()  # [..]
+    else:
+        m = magnitude.detach().to(device=a.device, dtype=torch.float64)  # [..]
+        relative = torch.where(both, m, torch.zeros_like(m))  # [..]
+    bound = tol.atol * (rms if tol.atol_scaled else 1.0) + tol.rtol * relative  # [..]
     ratio = torch.where(diff_all > 0, diff_all / bound.clamp_min(torch.finfo(torch.float64).tiny),
                         torch.zeros_like(diff_all))
     violations = int((diff_all > bound).sum())
@@ -342,7 +379,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
     if not rel_l2 <= tol.rel_l2:
         failures.append(f"relative L2 error {rel_l2:.3e} > {tol.rel_l2:.1e}")
     if violations:
-        failures.append(f"{violations} elements exceed atol*{'rms' if tol.atol_scaled else '1'} + rtol*|e| "
+        relative_term = "rtol*magnitude" if magnitude is not None else "rtol*|e|"
+        failures.append(f"{violations} elements exceed atol*{'rms' if tol.atol_scaled else '1'} + {relative_term} "
                         f"(worst at {index}: |err| {max_abs:.3e} > {allowed:.3e})")
     if not cosine >= tol.min_cosine:
         failures.append(f"cosine similarity {cosine:.9f} < {tol.min_cosine:.9f}")
@@ -350,7 +388,27 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
                       max_abs=max_abs, max_abs_index=index, max_abs_actual=at_a, max_abs_expected=at_e,
                       allowed_at_max=allowed, worst_ratio=worst_ratio, cosine=cosine,
                       nonfinite_actual=int((~fin_a).sum()), nonfinite_mismatch=n_mismatch, violations=violations,
-                      numel=numel, worst_rows=worst_rows, failures=failures)
+                      numel=numel, worst_rows=worst_rows, failures=failures,
+                      magnitude_based=magnitude is not None)
+
+
+def _check_magnitude(magnitude, expected: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` (naming ``magnitude``) unless it is a finite, non-negative float tensor shaped
+    like ``expected``."""
+    if not isinstance(magnitude, torch.Tensor):
+        raise ValueError(f"{name}: magnitude must be a torch.Tensor or None, got {type(magnitude).__name__}")
+    if not magnitude.is_floating_point():
+        raise ValueError(f"{name}: magnitude must be a float tensor, got dtype {magnitude.dtype}")
+    if magnitude.shape != expected.shape:
+        raise ValueError(f"{name}: magnitude has shape {tuple(magnitude.shape)} but expected has shape "
+                         f"{tuple(expected.shape)}")
+    m = magnitude.detach()
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError(f"{name}: magnitude has {int((~torch.isfinite(m)).sum())} non-finite entries; "
+                         "it must be finite and >= 0")
+    if bool((m < 0).any()):
+        raise ValueError(f"{name}: magnitude has {int((m < 0).sum())} negative entries; it must be >= 0 "
+                         "(a sum of absolute values)")
 
 
 def _worst_rows(diff: torch.Tensor, expected: torch.Tensor, head_dim: int) -> list[WorstRow]:

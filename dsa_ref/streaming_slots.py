@@ -22,8 +22,10 @@ The functions here compute the same numbers the way the kernels do, in plain PyT
   dq = dS\,KV,\quad dKV_\text{slots} = dS^\top q + [P^\top dO ;\, 0]
   $$
 
-  and the slot gradients are added into one ``[S + 1, D]`` accumulator with ``index_put_``
-  (accumulating, deterministic); ``dq`` is written in place, chunk by chunk;
+  and the slot gradients are added into one ``[S + 1, D]`` accumulator with ``index_add_``
+  (deterministic on the CPU; on CUDA it adds with atomics, in any order, unless
+  ``torch.use_deterministic_algorithms(True)`` asks for the sorted, ordered sum, which at 64K
+  tokens takes most of the step); ``dq`` is written in place, chunk by chunk;
 * chunks are sized from `DEFAULT_CHUNK_ELEMENTS` by what a chunk really holds (``[C, K, D]`` gathered
   rows and ``[C, H, K]`` probabilities), not by the scores alone.
 
@@ -126,7 +128,7 @@ class ChunkedSparseMLA(torch.autograd.Function):
             if need_kv:
                 d_sel = torch.bmm(d_scores.transpose(1, 2), q_c)  # [C, K, D]
                 d_sel[..., :d_v] += torch.bmm(probs.transpose(1, 2), d_out_c)  # the value part
-                d_rows.index_put_((slots.flatten(),), d_sel.flatten(0, 1), accumulate=True)
+                d_rows.index_add_(0, slots.flatten(), d_sel.flatten(0, 1))  # [S + 1, D] += [C*K, D]
         dkv = None if d_rows is None else d_rows[:S].to(kv.dtype)
         return dq, dkv, None, None, None, None
 # --8<-- [end:chunked_sparse_mla]
@@ -226,7 +228,7 @@ class ChunkedIndexScoresAt(torch.autograd.Function):
                 dq[a:b] = torch.bmm(d_logits, k_sel).to(q.dtype)  # [C, H_I, D_I]
             if need_k:
                 d_sel = torch.bmm(d_logits.transpose(1, 2), q_c)  # [C, K, D_I]
-                d_rows.index_put_((slots.flatten(),), d_sel.flatten(0, 1), accumulate=True)
+                d_rows.index_add_(0, slots.flatten(), d_sel.flatten(0, 1))  # [S + 1, D] += [C*K, D]
         dk = None if d_rows is None else d_rows[:S].to(k.dtype)
         return dq, dk, dw, None, None, None
 # --8<-- [end:chunked_index_scores_at]

@@ -16,7 +16,7 @@ import torch
 
 from dsa_ref import sparse_mla, topk_indices
 from dsa_ref.adversarial import duplicate_indices, packed_sequences
-from dsa_ref.compare import Tolerance
+from dsa_ref.compare import Tolerance, compare
 from dsa_ref.oracle import (
     CONVENTIONS,
     DSA_REF,
@@ -26,6 +26,7 @@ from dsa_ref.oracle import (
     TILELANG_DEEPSEEK_V32,
     TILELANG_SPARSE_FINETUNE,
     Convention,
+    accumulation_rtol,
     check_indexer,
     check_sparse_mla,
     check_sparse_mla_backward,
@@ -36,6 +37,7 @@ from dsa_ref.oracle import (
     lse_from_natural,
     lse_to_natural,
     reference_kernel,
+    sparse_mla_backward_magnitudes,
     to_reference_indices,
     to_thd,
 )
@@ -536,6 +538,201 @@ def test_backward_adapter():
         assert rep.ok == should_pass, f"bug={bug}:\n{rep}"
     with pytest.raises(ValueError, match="kernel_dkv has shape"):
         check_sparse_mla_backward(dq, dkv[:, 0], d_out, q.detach(), kv.detach(), idx, **kw)
+
+
+# ------------------------------------------------------------------ backward: accumulation-aware bound
+
+
+def _brute_force_backward(q, kv, idx, d_out, sm_scale, d_v):
+    """(dq, dkv, m_dq, m_dkv) by scalar loops in float64: the textbook formulas, slot by slot."""
+    q, kv, d_out = q.double(), kv.double(), d_out.double()
+    T, Hq, Dq = q.shape
+    dq, m_dq = torch.zeros(T, Hq, Dq, dtype=torch.float64), torch.zeros(T, Hq, Dq, dtype=torch.float64)
+    dkv, m_dkv = torch.zeros(kv.shape, dtype=torch.float64), torch.zeros(kv.shape, dtype=torch.float64)
+    for t in range(T):
+        slots = [j for j in range(idx.shape[1]) if int(idx[t, j]) >= 0]  # duplicates: one term per slot
+        for h in range(Hq):
+            s = {j: sm_scale * float(q[t, h] @ kv[int(idx[t, j])]) for j in slots}
+            top = max(s.values(), default=0.0)
+            z = sum(math.exp(v - top) for v in s.values())
+            p = {j: math.exp(s[j] - top) / z for j in slots}
+            dp = {j: float(d_out[t, h] @ kv[int(idx[t, j]), :d_v]) for j in slots}
+            delta = sum(p[j] * dp[j] for j in slots)
+            for j in slots:
+                ds = sm_scale * p[j] * (dp[j] - delta)
+                r = int(idx[t, j])
+                dq[t, h] += ds * kv[r]
+                m_dq[t, h] += abs(ds) * kv[r].abs()
+                dkv[r] += ds * q[t, h]
+                m_dkv[r] += abs(ds) * q[t, h].abs()
+                dkv[r, :d_v] += p[j] * d_out[t, h]
+                m_dkv[r, :d_v] += p[j] * d_out[t, h].abs()
+    return dq, dkv, m_dq, m_dkv
+
+
+def test_backward_magnitudes_equal_a_brute_force_loop():
+    """m_dq, m_dkv from the chunked float64 code equal scalar loops, -1 slots, duplicates and an empty row included."""
+    q, kv = _inputs(5, 6, seed=11)
+    q, kv = q[:, :2, :7], kv[:, :7]  # [T, 2, 7], [6, 7]: a tiny case
+    idx = torch.tensor([[0, 3, -1, 5], [2, 2, 1, -1], [-1, -1, -1, -1], [5, 4, 3, 0], [1, -1, 1, 1]])
+    d_out = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(12))
+    dq, dkv, m_dq, m_dkv = _brute_force_backward(q, kv, idx, d_out, SCALE, 4)
+    got_dq, got_dkv = sparse_mla_backward_magnitudes(q, kv, idx, d_out, sm_scale=SCALE, d_v=4, chunk_size=2)
+    torch.testing.assert_close(got_dq, m_dq, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got_dkv, m_dkv, rtol=1e-12, atol=1e-15)
+    # the signed loop is the reference's backward, and |gradient| <= magnitude
+    q64, kv64 = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+    out, _ = sparse_mla(q64, kv64, idx, sm_scale=SCALE, d_v=4)
+    ref_dq, ref_dkv = torch.autograd.grad(out, (q64, kv64), d_out.double())
+    torch.testing.assert_close(ref_dq, dq, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(ref_dkv, dkv, rtol=1e-12, atol=1e-15)
+    slack = 1e-15  # float64 rounding of the reference where nothing is left (row 4 reads one key 3 times: dS = 0)
+    assert bool((ref_dq.abs() <= got_dq + slack).all()) and bool((ref_dkv.abs() <= got_dkv + slack).all())
+    assert bool((got_dq[2] == 0).all()) and bool((got_dq[4] == 0).all())  # the empty row; one key only: dS = 0
+
+
+def bf16_backward_kernel(q, kv, idx, d_out, sm_scale, d_v, *, bug=None, slot=(0, 0), block=16):
+    """A sparse-MLA backward on bf16 inputs computed the way the TileLang kernels are (dsa_ref's, Megatron's).
+
+    P is recomputed in float32 and rounded to bf16 before the dV GEMM; delta = rowsum(O * dO) with O the
+    bf16 forward output; dS = P (dP - delta) sm_scale in float32, rounded to bf16 before the dK and dQ
+    GEMMs; dkv accumulates in float32 block by block of queries, last block first (atomics, in an order
+    unlike the reference's); both gradients are rounded to bf16. ``bug`` plants one error at ``slot``
+    ``(t, j)``: ``"drop_slot"`` (its dkv contribution is lost), ``"wrong_row"`` (it goes to the next
+    key row), ``"dq_wrong_key"`` (dq reads the previous key row there); or everywhere: ``"sign"``
+    (the P^T dO part of dkv negated), ``"no_scale"`` (dS without sm_scale).
+    """
+    qf, kvf, dof = q.float(), kv.float(), d_out.float()  # [T, H, D], [N, D], [T, H, d_v]
+    N = kv.shape[0]
+    valid = idx >= 0  # [T, K]
+    kv_sel = kvf[idx.clamp_min(0)] * valid[..., None]  # [T, K, D]
+    s = (torch.einsum("thd,tkd->thk", qf, kv_sel) * sm_scale).masked_fill(~valid[:, None, :], -math.inf)  # [T, H, K]
+    P = torch.softmax(s, dim=-1)  # [T, H, K]; every row here has a valid slot
+    o = torch.einsum("thk,tkv->thv", P, kv_sel[..., :d_v]).bfloat16().float()  # [T, H, d_v]: the forward's output
+    delta = (o * dof).sum(-1, keepdim=True)  # [T, H, 1]
+    dP = torch.einsum("thv,tkv->thk", dof, kv_sel[..., :d_v])  # [T, H, K]
+    dS = (P * (dP - delta) * (1.0 if bug == "no_scale" else sm_scale)).bfloat16().float()  # [T, H, K]
+    P = P.bfloat16().float()
+    t0, j0 = slot
+    kv_dq = kv_sel.clone()
+    if bug == "dq_wrong_key":
+        kv_dq[t0, j0] = kvf[(idx[t0, j0] - 1) % N]
+    dq = torch.einsum("thk,tkd->thd", dS, kv_dq)  # [T, H, D]
+    keep, target = valid.clone(), idx.clone()
+    if bug == "drop_slot":
+        keep[t0, j0] = False
+    if bug == "wrong_row":
+        target[t0, j0] = (idx[t0, j0] + 1) % N
+    dkv = torch.zeros(N, kv.shape[1])  # [N, D] float32
+    for lo in reversed(range(0, q.shape[0], block)):
+        hi = min(lo + block, q.shape[0])
+        per_slot = torch.einsum("thk,thd->tkd", dS[lo:hi], qf[lo:hi])  # [C, K, D]
+        per_slot[..., :d_v] += (-1 if bug == "sign" else 1) * torch.einsum("thk,thv->tkv", P[lo:hi], dof[lo:hi])
+        dkv.index_add_(0, target[lo:hi][keep[lo:hi]], per_slot[keep[lo:hi]])  # [N, D]
+    return dq.bfloat16(), dkv.bfloat16()
+
+
+def _cancellation_case(pairs=256, cold_queries=256, cold_keys=128, K=8, A=8.0, eps=0.05, seed=0):
+    """Heavy cancellation on two "hot" key rows, as early keys get under causal top-k selection.
+
+    ``2 * pairs`` queries all select hot keys 0 and 1 (2048 contributions per hot row at H=4). Query
+    ``t`` and ``t + pairs`` have the same q and opposite output gradients up to ``eps``:
+    ``d_out = A r`` and ``-A r + eps A r'``, so the hot rows of dkv nearly cancel while each
+    contribution is ``A`` times a normal one. ``cold_queries`` queries with ``d_out`` of size 1 select
+    ``K`` of the ``cold_keys`` other rows each and make up most of dkv's norm and RMS.
+    """
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2 + cold_keys, D, generator=g).bfloat16()  # [N, D]
+    q_pair = torch.randn(pairs, H, D, generator=g) * 0.5
+    q = torch.cat([q_pair, q_pair, torch.randn(cold_queries, H, D, generator=g) * 0.5]).bfloat16()  # [T, H, D]
+    r, r2 = torch.randn(2, pairs, H, DV, generator=g)
+    d_out = torch.cat([A * r, -A * r + eps * A * r2, torch.randn(cold_queries, H, DV, generator=g)]).bfloat16()
+    idx = torch.full((2 * pairs + cold_queries, K), -1, dtype=torch.int64)  # [T, K]
+    idx[: 2 * pairs, :2] = torch.tensor([0, 1])
+    for t in range(cold_queries):
+        idx[2 * pairs + t] = 2 + torch.randperm(cold_keys, generator=g)[:K]
+    return q, kv, idx, d_out
+
+
+BWD = dict(convention=DSA_REF, sm_scale=SCALE, d_v=DV)
+
+
+def test_accumulation_rtol_is_the_derived_bound():
+    assert accumulation_rtol(torch.bfloat16) == 2.0 ** -6  # 3u + 2^16 * 2^-24 = 4u at u = 2^-8
+    assert accumulation_rtol(torch.float32) == pytest.approx(3 * 2.0 ** -24 + 2.0 ** -8)
+    assert accumulation_rtol(torch.float64) == pytest.approx((3 + 2 ** 16) * 2.0 ** -53)
+
+
+def test_rounding_under_cancellation_passes_only_the_accumulation_aware_check():
+    q, kv, idx, d_out = _cancellation_case()
+    dq, dkv = bf16_backward_kernel(q, kv, idx, d_out, SCALE, DV)
+    strict = check_sparse_mla_backward(dq, dkv, d_out, q, kv, idx, accumulation_aware=False, **BWD)
+    aware = check_sparse_mla_backward(dq, dkv, d_out, q, kv, idx, **BWD)
+    # the strict check flags rounding noise on the hot rows, and only there
+    assert not strict["dkv"].ok and strict["dkv"].violations > 0, str(strict)
+    assert strict["dkv"].max_abs_index[0] in (0, 1) and strict["dkv"].rel_l2 <= strict["dkv"].tol.rel_l2
+    assert aware.ok, str(aware)
+    assert aware["dkv"].magnitude_based and aware["dq"].magnitude_based and not strict["dkv"].magnitude_based
+    assert aware["dkv"].tol.rtol == max(strict["dkv"].tol.rtol, 2.0 ** -6) and "rtol*magnitude" in str(aware)
+    assert aware["dkv"].worst_ratio < 0.5  # well inside the bound, not at its edge
+    # without the eps the pair contributions cancel exactly in both: nothing for the strict check to flag
+    q, kv, idx, d_out = _cancellation_case(eps=0.0)
+    exact = check_sparse_mla_backward(*bf16_backward_kernel(q, kv, idx, d_out, SCALE, DV), d_out, q, kv, idx,
+                                      accumulation_aware=False, **BWD)
+    assert exact.ok, str(exact)
+
+
+@pytest.mark.parametrize("bug, slot, caught_by", [
+    ("drop_slot", (512, 0), "dkv"),  # a cold key's contribution lost: ~1/8 of its row
+    ("wrong_row", (512, 0), "dkv"),
+    ("sign", None, "dkv"),
+    ("no_scale", None, "dq"),
+    ("dq_wrong_key", (0, 0), "dq"),
+    ("drop_slot", (0, 0), "dkv"),  # on a hot row: lost in the elementwise bound, caught by rel. L2
+])
+def test_planted_backward_bugs_fail_the_accumulation_aware_check(bug, slot, caught_by):
+    q, kv, idx, d_out = _cancellation_case()
+    dq, dkv = bf16_backward_kernel(q, kv, idx, d_out, SCALE, DV, bug=bug, slot=slot or (0, 0))
+    rep = check_sparse_mla_backward(dq, dkv, d_out, q, kv, idx, **BWD)
+    assert not rep.ok and not rep[caught_by].ok, f"planted bug {bug!r} at {slot} was not caught:\n{rep}"
+    if bug in ("drop_slot", "wrong_row") and slot[0] >= 512:  # a cold row: the elementwise bound catches it ...
+        assert rep["dkv"].violations > 0, str(rep)
+    if bug == "drop_slot" and slot[0] >= 512:  # ... where relative L2 alone would not
+        assert rep["dkv"].rel_l2 <= rep["dkv"].tol.rel_l2, str(rep)
+
+
+def test_backward_accumulation_aware_in_a_kernel_layout():
+    """The magnitudes follow the kernel's layout (BSHD, per-batch indices, causal sentinel)."""
+    q, kv, idx = _v32_case(seed=5)
+    qg, kvg = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+    d_out = torch.randn(*q.shape[:3], DV, generator=torch.Generator().manual_seed(1))
+    kw = dict(convention=TILELANG_DEEPSEEK_V32, sm_scale=SCALE, d_v=DV)
+    for bug, should_pass in ((None, True), ("off_by_one", False)):
+        out, _ = tilelang_v32_kernel(qg, kvg, idx, SCALE, DV, bug=bug)
+        out = torch.nan_to_num(out)  # empty rows: NaN by the convention; their gradient is 0 either way
+        dq, dkv = torch.autograd.grad(out, (qg, kvg), d_out)
+        for aware in (True, False):
+            rep = check_sparse_mla_backward(dq, dkv, d_out, q, kv, idx, accumulation_aware=aware, **kw)
+            assert rep.ok == should_pass, f"bug={bug}, accumulation_aware={aware}:\n{rep}"
+            assert rep["dkv"].magnitude_based == aware
+
+
+def test_compare_magnitude():
+    g = torch.Generator().manual_seed(3)
+    e = torch.randn(6, 4, 8, generator=g, dtype=torch.float64)
+    a = (e + 1e-3 * torch.randn(6, 4, 8, generator=g, dtype=torch.float64)).float()
+    plain = compare(a, e)
+    same = compare(a, e, magnitude=e.abs())  # m = |e|: the same bound
+    assert not plain.magnitude_based and same.magnitude_based
+    assert (same.violations, same.worst_ratio, same.allowed_at_max) == (plain.violations, plain.worst_ratio,
+                                                                        plain.allowed_at_max)
+    assert "rtol*|e|" in str(plain) and "rtol*magnitude" in str(same) and same.as_dict()["magnitude_based"]
+    assert not plain.ok and compare(a, e, magnitude=e.abs() + 100.0).violations == 0  # a large m loosens
+    for bad, what in ((e.abs()[:, :2], "shape"), (-e.abs(), "negative"),
+                      (e.abs().masked_fill(e > 1, math.nan), "non-finite"),
+                      (e.abs().masked_fill(e > 1, math.inf), "non-finite"), (e.abs().long(), "float")):
+        with pytest.raises(ValueError, match=f"magnitude.*{what}|{what}.*magnitude"):
+            compare(a, e, magnitude=bad)
 
 
 def test_indexer_adapter():
