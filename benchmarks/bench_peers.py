@@ -60,6 +60,7 @@ into ``docs/known_kernels.md`` and ``tools/plots/bench_peers_plot.py`` into a fi
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import importlib
 import importlib.util
@@ -894,15 +895,18 @@ def _megatron_attention_target(x: Inputs, lib: Family) -> Bench:
     return Bench(run, lambda: check_attention_target(run(), x), note="recomputes the softmax (two passes over the slots)")
 
 
-def _dsa_ref_kl(x: Inputs, lib: Family) -> Bench:
+def _dsa_ref_kl(x: Inputs, lib: Family, *, kernel: bool = True) -> Bench:
+    from dsa_ref.kernels.indexer_loss_slots import indexer_loss_on_slots_tilelang
+
     logits = x.kl_logits.detach().requires_grad_(True)
+    loss_fn = indexer_loss_on_slots_tilelang if kernel else indexer_loss_on_slots
 
     def run():
-        loss = indexer_loss_on_slots(logits, x.kl_target, x.kl_valid, reduction="sum")
+        loss = loss_fn(logits, x.kl_target, x.kl_valid, reduction="sum")
         (grad,) = torch.autograd.grad(loss, logits)
         return loss, grad
 
-    return Bench(run, lambda: check_kl(*run(), x), note="PyTorch (dsa_ref has no kernel for it)")
+    return Bench(run, lambda: check_kl(*run(), x), note=None if kernel else "PyTorch")
 
 
 def _megatron_kl(x: Inputs, lib: Family) -> Bench:
@@ -1006,8 +1010,10 @@ IMPLS: list[Impl] = [
          "indices, lse, sm_scale=) (lse from its forward)", _dsa_ref_attention_target),
     Impl("megatron", "megatron", "attention_target", "ops.tilelang_indexer_loss.sparse_indexer_target_interface(q, "
          "kv [S,576], indices int32 [T,K], sm_scale)", _megatron_attention_target),
-    Impl("dsa_ref", "dsa_ref", "kl_loss", "dsa_ref.indexer_loss.indexer_loss_on_slots(scores, target, valid, "
-         "reduction='sum') + torch.autograd.grad (PyTorch)", _dsa_ref_kl),
+    Impl("dsa_ref", "dsa_ref", "kl_loss", "dsa_ref.kernels.indexer_loss_slots.indexer_loss_on_slots_tilelang(scores, "
+         "target, valid, reduction='sum') + torch.autograd.grad", _dsa_ref_kl),
+    Impl("dsa_ref_torch", "dsa_ref", "kl_loss", "dsa_ref.indexer_loss.indexer_loss_on_slots(scores, target, valid, "
+         "reduction='sum') + torch.autograd.grad (PyTorch)", functools.partial(_dsa_ref_kl, kernel=False)),
     Impl("megatron", "megatron", "kl_loss", "ops.tilelang_indexer_loss.sparse_indexer_kl_interface(target, scores, "
          "valid) -> kl_sum, d_scores", _megatron_kl),
 ]

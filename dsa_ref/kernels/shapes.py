@@ -49,6 +49,11 @@ INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(blo
 INDEXER_FP8_TUNE = [dict(block_q=8, pingpong=True)]
 
 
+# The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default
+# (2048 slots, 256 threads), timed against it by benchmarks/bench_slot_kl.py.
+SLOT_KL_SCHEDULES = [dict(block=1024, threads=256), dict(block=2048, threads=512), dict(block=1024, threads=128)]
+
+
 def kernel_set():
     """``(builder_name, args[, kwargs])`` for every kernel the tests and benchmarks compile."""
     jobs = []
@@ -75,12 +80,15 @@ def kernel_set():
     jobs.append(("topk", ()))
     for h in TEST_HEADS:
         jobs.append(("head_sum", (h, DIM, SM_SCALE)))
+    jobs.append(("slot_kl", ()))
+    jobs += [("slot_kl", (), kw) for kw in SLOT_KL_SCHEDULES]
     return jobs
 
 
 def build(name, args, kwargs=None):
     """Compile one kernel of `kernel_set` (TileLang caches it on disk)."""
-    from . import attention_target, indexer_bwd, indexer_fwd, indexer_fwd_fp8, sparse_mla_bwd, sparse_mla_fwd, topk
+    from . import (attention_target, indexer_bwd, indexer_fwd, indexer_fwd_fp8, indexer_loss_slots, sparse_mla_bwd,
+                   sparse_mla_fwd, topk)
 
     builders = {
         "simple": sparse_mla_fwd.simple_kernel,
@@ -93,5 +101,6 @@ def build(name, args, kwargs=None):
         "scores_at_backward": indexer_bwd.indexer_backward_kernel,
         "topk": topk.topk_kernel,
         "head_sum": attention_target.head_sum_probs_kernel,
+        "slot_kl": indexer_loss_slots.slot_kl_kernel,
     }
     return builders[name](*args, **(kwargs or {}))
