@@ -5,7 +5,7 @@
 For each shape (DeepSeek-V3.2 attention: H = 128 heads, latent 576 / value 512, top-k 2048,
 indexer 64 x 128) it times, with CUDA events (median of many runs after warm-up):
 
-* sparse MLA forward (warp-specialised and simple schedules) and backward; the warp-specialised
+* sparse MLA forward (seesaw, warp-specialised and simple schedules) and backward; the warp-specialised
   forward also without the index-range check (``validate=False``) and as its kernel alone, on
   prepared int32 indices and block counts, so that the wrapper's share is in the record;
 * the indexer scores; the fp8 indexer (with its quantisation, and its kernel alone on quantised
@@ -143,6 +143,11 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, ref_reps: int) -> dict:
         idx_ws = _pad_indices(idx, 2 * sparse_mla_fwd.BLOCK_I)  # [T, K] int32
         pairs_ws = _block_counts(idx_ws, 2 * sparse_mla_fwd.BLOCK_I)  # [T]
         timed("fwd_ws_kernel", lambda: ws_kernel(q, kv, idx_ws, pairs_ws), fwd_flop, reps)
+        timed("fwd_seesaw_unchecked", lambda: sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V,
+                                                                   schedule="seesaw", validate=False),
+              fwd_flop, reps)
+        ss_kernel = sparse_mla_fwd.seesaw_kernel(H, DIM, DIM_V, SM_SCALE)
+        timed("fwd_seesaw_kernel", lambda: ss_kernel(q, kv, idx_ws, pairs_ws), fwd_flop, reps)
         timed("fwd_simple", lambda: sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V,
                                                          schedule="simple"), fwd_flop, reps)
         timed("fwd_reference", lambda: sparse_mla(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V), fwd_flop, ref_reps)

@@ -60,6 +60,7 @@ into ``docs/known_kernels.md`` and ``tools/plots/bench_peers_plot.py`` into a fi
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import importlib
 import importlib.util
@@ -698,10 +699,11 @@ def _no_grad(fn: Callable) -> Callable:
     return run
 
 
-def _dsa_ref_sparse_fwd(x: Inputs, lib: Family) -> Bench:
+def _dsa_ref_sparse_fwd(x: Inputs, lib: Family, *, schedule: str = "auto") -> Bench:
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
-    run = _no_grad(lambda: sparse_mla_tilelang(x.q, x.kv, x.idx, sm_scale=x.sm_scale, d_v=x.dims.dim_v, validate=False))
+    run = _no_grad(lambda: sparse_mla_tilelang(x.q, x.kv, x.idx, sm_scale=x.sm_scale, d_v=x.dims.dim_v,
+                                               schedule=schedule, validate=False))
 
     def check():
         out, lse = run()
@@ -894,15 +896,18 @@ def _megatron_attention_target(x: Inputs, lib: Family) -> Bench:
     return Bench(run, lambda: check_attention_target(run(), x), note="recomputes the softmax (two passes over the slots)")
 
 
-def _dsa_ref_kl(x: Inputs, lib: Family) -> Bench:
+def _dsa_ref_kl(x: Inputs, lib: Family, *, kernel: bool = True) -> Bench:
+    from dsa_ref.kernels.indexer_loss_slots import indexer_loss_on_slots_tilelang
+
     logits = x.kl_logits.detach().requires_grad_(True)
+    loss_fn = indexer_loss_on_slots_tilelang if kernel else indexer_loss_on_slots
 
     def run():
-        loss = indexer_loss_on_slots(logits, x.kl_target, x.kl_valid, reduction="sum")
+        loss = loss_fn(logits, x.kl_target, x.kl_valid, reduction="sum")
         (grad,) = torch.autograd.grad(loss, logits)
         return loss, grad
 
-    return Bench(run, lambda: check_kl(*run(), x), note="PyTorch (dsa_ref has no kernel for it)")
+    return Bench(run, lambda: check_kl(*run(), x), note=None if kernel else "PyTorch")
 
 
 def _megatron_kl(x: Inputs, lib: Family) -> Bench:
@@ -976,6 +981,11 @@ _BSHD = "q [1,T,H,576], kv [1,S+1,1,576] (zero row S), indices [1,T,1,K] int32 (
 IMPLS: list[Impl] = [
     Impl("dsa_ref", "dsa_ref", "sparse_fwd", "dsa_ref.kernels.autograd.sparse_mla_tilelang(q [T,H,576], kv [S,576], "
          "indices [T,K] int64 (-1 unused), sm_scale=, d_v=512, validate=False)", _dsa_ref_sparse_fwd, "dsa_ref"),
+    Impl("dsa_ref_seesaw", "dsa_ref", "sparse_fwd", "dsa_ref.kernels.autograd.sparse_mla_tilelang(..., schedule='seesaw', "
+         "validate=False)", functools.partial(_dsa_ref_sparse_fwd, schedule="seesaw"), "dsa_ref"),
+    Impl("dsa_ref_ws", "dsa_ref", "sparse_fwd", "dsa_ref.kernels.autograd.sparse_mla_tilelang(..., "
+         "schedule='warp_specialized', validate=False)", functools.partial(_dsa_ref_sparse_fwd,
+                                                                            schedule="warp_specialized"), "dsa_ref"),
     Impl("flashmla", "flashmla", "sparse_fwd", f"mod.sparse_prefill_fwd({_FWD_THD}, sm_scale, 512, None, None) "
          "-> out, max_logits, lse", _flashmla_sparse_fwd, "flashmla_sparse_prefill"),
     Impl("megatron", "megatron", "sparse_fwd", f"ops.tilelang_sparse_mla_fwd.sparse_mla_fwd_interface({_FWD_THD}, "
@@ -1006,8 +1016,10 @@ IMPLS: list[Impl] = [
          "indices, lse, sm_scale=) (lse from its forward)", _dsa_ref_attention_target),
     Impl("megatron", "megatron", "attention_target", "ops.tilelang_indexer_loss.sparse_indexer_target_interface(q, "
          "kv [S,576], indices int32 [T,K], sm_scale)", _megatron_attention_target),
-    Impl("dsa_ref", "dsa_ref", "kl_loss", "dsa_ref.indexer_loss.indexer_loss_on_slots(scores, target, valid, "
-         "reduction='sum') + torch.autograd.grad (PyTorch)", _dsa_ref_kl),
+    Impl("dsa_ref", "dsa_ref", "kl_loss", "dsa_ref.kernels.indexer_loss_slots.indexer_loss_on_slots_tilelang(scores, "
+         "target, valid, reduction='sum') + torch.autograd.grad", _dsa_ref_kl),
+    Impl("dsa_ref_torch", "dsa_ref", "kl_loss", "dsa_ref.indexer_loss.indexer_loss_on_slots(scores, target, valid, "
+         "reduction='sum') + torch.autograd.grad (PyTorch)", functools.partial(_dsa_ref_kl, kernel=False)),
     Impl("megatron", "megatron", "kl_loss", "ops.tilelang_indexer_loss.sparse_indexer_kl_interface(target, scores, "
          "valid) -> kl_sum, d_scores", _megatron_kl),
 ]

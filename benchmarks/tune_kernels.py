@@ -29,7 +29,9 @@ VARIANTS = {
     # the default first, then every tested schedule (shapes.*_SCHEDULES)
     "indexer": [dict()] + INDEXER_SCHEDULES,
     "indexer_fp8": [dict()] + INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE,  # on prepared e4m3 operands
-    "forward": [dict()],  # the warp-specialised kernel alone (its losing knobs are gone)
+    # the forward's 64-head schedules, each with and without the producer's index prefetch
+    "forward": [dict(builder="warp_specialized"), dict(builder="warp_specialized", prefetch_rows=False),
+                dict(builder="seesaw"), dict(builder="seesaw", prefetch_rows=False)],
     "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],
 }
@@ -43,7 +45,8 @@ def variant_builds():
     for kw in VARIANTS["indexer_fp8"]:
         jobs.append(("indexer_fp8", (H_I, D_I, True), kw))
     for kw in VARIANTS["forward"]:
-        jobs.append(("warp_specialized", (H, DIM, DIM_V, SM_SCALE), kw))
+        kw = dict(kw)
+        jobs.append((kw.pop("builder"), (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["backward"]:
         jobs.append(("backward", (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["topk"]:
@@ -122,8 +125,10 @@ def tune_forward(x, reps):
     counts = _block_counts(idx, 2 * fwd.BLOCK_I)  # pairs of 64-slot blocks
     flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (DIM + DIM_V)
     rows, first = Rows(), None
-    for kw in VARIANTS["forward"]:
-        kernel = _build_or_none(fwd.warp_specialized_kernel, (H, DIM, DIM_V, SM_SCALE), kw, rows, "forward")
+    for variant in VARIANTS["forward"]:
+        kw = {k: v for k, v in variant.items() if k != "builder"}
+        build = fwd.seesaw_kernel if variant["builder"] == "seesaw" else fwd.warp_specialized_kernel
+        kernel = _build_or_none(build, (H, DIM, DIM_V, SM_SCALE), kw, rows, "forward")
         if kernel is None:
             continue
         ms = cuda_time_ms(lambda: kernel(q, kv, idx, counts), reps=reps)
@@ -131,7 +136,7 @@ def tune_forward(x, reps):
         if first is None:
             first = (out.float(), lse)
         same = all(float((a - b).norm() / b.norm()) < 1e-2 for a, b in zip((out.float(), lse), first))
-        rows.append({"kernel": "forward", **kw, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
+        rows.append({"kernel": "forward", **variant, "ms": ms, "tflops": flop / ms / 1e9, "matches_first": same})
     return rows
 
 

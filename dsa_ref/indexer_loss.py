@@ -217,6 +217,23 @@ def _reduce(total: torch.Tensor, rows_counted, reduction: str, num_rows, coeff: 
     return total * coeff
 
 
+def check_slot_loss_inputs(slot_scores, attention_mass, valid, reduction: str) -> None:
+    """Raise ValueError/TypeError unless the arguments of `indexer_loss_on_slots` fit together."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    for name, x in (("slot_scores", slot_scores), ("attention_mass", attention_mass), ("valid", valid)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if slot_scores.shape != attention_mass.shape or valid.shape != slot_scores.shape or slot_scores.dim() != 2:
+        raise ValueError(f"slot_scores, attention_mass and valid must share one [T, K] shape, got "
+                         f"{tuple(slot_scores.shape)}, {tuple(attention_mass.shape)}, {tuple(valid.shape)}")
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    for name, x in (("slot_scores", slot_scores), ("attention_mass", attention_mass)):
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {x.dtype}")
+
+
 # --8<-- [start:indexer_loss_on_slots]
 def indexer_loss_on_slots(slot_scores: torch.Tensor, attention_mass: torch.Tensor, valid: torch.Tensor, *,
                           reduction: str = "mean", coeff: float = 1.0, num_rows: int | torch.Tensor | None = None,
@@ -238,13 +255,7 @@ def indexer_loss_on_slots(slot_scores: torch.Tensor, attention_mass: torch.Tenso
     Returns:
         A scalar in the accumulation dtype. Equal to `indexer_loss` on the same valid sets.
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if slot_scores.shape != attention_mass.shape or valid.shape != slot_scores.shape or slot_scores.dim() != 2:
-        raise ValueError(f"slot_scores, attention_mass and valid must share one [T, K] shape, got "
-                         f"{tuple(slot_scores.shape)}, {tuple(attention_mass.shape)}, {tuple(valid.shape)}")
-    if valid.dtype != torch.bool:
-        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    check_slot_loss_inputs(slot_scores, attention_mass, valid, reduction)
     acc = torch.float64 if slot_scores.dtype == torch.float64 else torch.float32
     with torch.no_grad():
         mass = attention_mass.detach().to(acc).masked_fill(~valid, 0.0)  # [T, K]

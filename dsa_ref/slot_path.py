@@ -14,7 +14,7 @@ exactly the same numbers from per-slot tensors of shape ``[T, K]``:
 5. the KL divergence on the slots (`indexer_loss_on_slots`).
 
 Every step is one function with a readable reference and (optionally) a TileLang kernel; a
-`SlotOps` names the three that have kernels. With `REFERENCE_OPS` this module runs anywhere, and
+`SlotOps` names the four that have kernels. With `REFERENCE_OPS` this module runs anywhere, and
 the tests check that it equals the readable layer in float64 for both stages (packed sequences,
 padding masks, context parallelism's loss divisor). With the kernels (`dsa_ref.kernels.slot_ops`)
 it is the fast path `DSAttention` takes for ``backend="tilelang"`` / ``"auto"``.
@@ -39,16 +39,19 @@ __all__ = ["SlotOps", "REFERENCE_OPS", "window_indices", "attention_and_loss_on_
 
 @dataclass(frozen=True)
 class SlotOps:
-    """The three per-slot operations, with the signatures of their reference functions.
+    """The per-slot operations, with the signatures of their reference functions.
 
     * ``sparse_mla(q, kv, indices, *, sm_scale, d_v) -> (out, lse)``
     * ``attention_head_sum(q, kv, indices, lse, *, sm_scale) -> mass [T, K]``
     * ``index_scores_at(q, k, weights, indices, *, relu) -> scores [T, K]``
+    * ``indexer_loss_on_slots(slot_scores, mass, valid, *, reduction, coeff, num_rows, head_sum_reduce)
+      -> loss []`` (default: the reference, `dsa_ref.indexer_loss.indexer_loss_on_slots`)
     """
 
     sparse_mla: Callable
     attention_head_sum: Callable
     index_scores_at: Callable
+    indexer_loss_on_slots: Callable = indexer_loss_on_slots
 
 
 REFERENCE_OPS = SlotOps(sparse_mla=sparse_mla, attention_head_sum=attention_head_sum,
@@ -108,7 +111,7 @@ def attention_and_loss_on_slots(q: torch.Tensor, kv: torch.Tensor, q_i: torch.Te
         valid = valid & row_mask[:, None]
     mass = ops.attention_head_sum(q.detach(), kv.detach(), slots, lse.detach(), sm_scale=sm_scale)  # [T, K]
     slot_scores = ops.index_scores_at(q_i, k_i, w_i, slots, relu=relu)  # [T, K], gradients to the indexer
-    loss = indexer_loss_on_slots(slot_scores, mass, valid, reduction=reduction, coeff=coeff, num_rows=num_rows,
-                                 head_sum_reduce=head_sum_reduce)
+    loss = ops.indexer_loss_on_slots(slot_scores, mass, valid, reduction=reduction, coeff=coeff,
+                                     num_rows=num_rows, head_sum_reduce=head_sum_reduce)
     return o_latent, loss
 # --8<-- [end:attention_and_loss_on_slots]

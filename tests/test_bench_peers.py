@@ -176,6 +176,7 @@ def fake_dsa_ref_kernels(monkeypatch):
         "dsa_ref.kernels.indexer_bwd": SimpleNamespace(
             index_scores_at_tilelang=lambda q, k, w, idx, **kw: index_scores_at(q, k, w, idx, **kw)),
         "dsa_ref.kernels.attention_target": SimpleNamespace(attention_head_sum_tilelang=attention_head_sum),
+        "dsa_ref.kernels.indexer_loss_slots": SimpleNamespace(indexer_loss_on_slots_tilelang=indexer_loss_on_slots),
     }
     for name, module in fakes.items():
         monkeypatch.setitem(sys.modules, name, module)

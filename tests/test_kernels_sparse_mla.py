@@ -59,13 +59,31 @@ def test_forward_messy_indices_simple(H, K):
     _check_forward(q, kv, messy_indices(203, 517, K, seed=K), "simple")
 
 
+@pytest.mark.parametrize("schedule", ["warp_specialized", "seesaw"])
 @pytest.mark.parametrize("H", [64, 128])
-def test_forward_messy_indices_warp_specialized(H):
-    q, kv = _inputs(203, 517, H, seed=H)
-    _check_forward(q, kv, messy_indices(203, 517, TEST_TOPK, seed=3), "warp_specialized")
+@pytest.mark.parametrize("K", [TEST_TOPK, 100])  # 100: padded with -1 to a multiple of 128
+def test_forward_messy_indices_64_head_schedules(H, K, schedule):
+    q, kv = _inputs(203, 517, H, seed=H + K)
+    _check_forward(q, kv, messy_indices(203, 517, K, seed=3), schedule)
 
 
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+def test_schedules_agree_and_bad_schedule_is_named():
+    """The seesaw and warp-specialised schedules differ only in the order of the online softmax's sums."""
+    from dsa_ref.kernels.autograd import sparse_mla_tilelang
+
+    q, kv = _inputs(300, 900, 128, seed=11)
+    idx = messy_indices(300, 900, 512, seed=11)
+    out_a, lse_a = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule="seesaw")
+    out_b, lse_b = sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule="warp_specialized")
+    assert (out_a.float() - out_b.float()).abs().max() <= 2e-2 * out_b.float().abs().max()
+    empty = torch.isneginf(lse_b)
+    assert torch.equal(torch.isneginf(lse_a), empty) and (out_a[empty] == 0).all()
+    assert (lse_a[~empty] - lse_b[~empty]).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="schedule must be"):
+        sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, schedule="fast")
+
+
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "seesaw"])
 def test_forward_packed_and_cp_windows(schedule):
     from dsa_ref import cp_shard_index
 
@@ -186,7 +204,7 @@ def test_dispatch_auto_uses_the_kernel_and_falls_back():
         dispatch.sparse_mla(q.float(), kv.float(), idx, sm_scale=SM_SCALE, d_v=DIM_V, backend="tilelang")
 
 
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "seesaw"])
 def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
     """Rows visit only their blocks up to the last valid slot; K need not be a compile-time size.
 
@@ -208,7 +226,7 @@ def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
     _check_forward(q, kv, padded, schedule)
 
 
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "seesaw"])
 def test_index_range_is_checked_after_the_launch_and_can_be_skipped(schedule):
     """``validate=True`` (the default) raises ValueError for an index out of range, although the
     kernel is already queued: its gathers stay inside ``kv``, so the GPU is unharmed and the next

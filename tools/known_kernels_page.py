@@ -87,10 +87,12 @@ def _shape_names(results: dict) -> list[str]:
 
 
 def _impl_order(results: dict, op: str) -> list[str]:
-    names = list(results.get("impls", {}).get(op, {}))
-    for r in results["results"]:
-        if r["op"] == op and r["impl"] not in names:
-            names.append(r["impl"])
+    """The implementations of ``op`` that have a result, in the order of the run's impl table."""
+    measured = [r["impl"] for r in results["results"] if r["op"] == op]
+    names = [n for n in results.get("impls", {}).get(op, {}) if n in measured]
+    for n in measured:
+        if n not in names:
+            names.append(n)
     return names
 
 
@@ -212,8 +214,13 @@ def findings_section(results: dict | None) -> list[str]:
         lines.append(text)
     kl = [r["ratio_to_dsa_ref"] for r in _ok_recs(results, "kl_loss", "megatron") if r.get("ratio_to_dsa_ref")]
     if kl:
-        lines.append(f"- **KL loss over the slots:** Megatron's fused kernel is {_range(kl, '.2f')}x faster than "
-                     "dsa_ref's, which is PyTorch (`indexer_loss_on_slots` and its autograd), not a kernel.")
+        own = _ok_recs(results, "kl_loss", "dsa_ref")
+        pytorch = any(r.get("note") == "PyTorch" or "no kernel" in (r.get("note") or "") for r in own)
+        who = "slower than" if max(kl) < 1 else "faster than" if min(kl) > 1 else "beside"
+        what = ("PyTorch (`indexer_loss_on_slots` and its autograd), not a kernel" if pytorch
+                else "the fused kernel `indexer_loss_on_slots_tilelang`")
+        lines.append(f"- **KL loss over the slots:** Megatron's fused kernel is {who} dsa_ref's "
+                     f"(x{_range(kl, '.2f')} dsa_ref's speed); dsa_ref's is {what}.")
     failed = [r for r in results["results"] if r["status"] == "failed"]
     if failed:
         groups: dict[str, list[str]] = {}

@@ -79,6 +79,7 @@ def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
     from .attention_target import attention_head_sum_supported, attention_head_sum_tilelang
     from .autograd import sparse_mla_supported, sparse_mla_tilelang
     from .indexer_bwd import index_scores_at_supported, index_scores_at_tilelang
+    from .indexer_loss_slots import indexer_loss_on_slots_tilelang
 
     probe_idx = torch.zeros(q.shape[0], 1, dtype=torch.int32, device=q.device)  # shapes only
     probe_lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -88,7 +89,7 @@ def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
     if any(r is not None for r in reasons):
         return None
     return SlotOps(sparse_mla=sparse_mla_tilelang, attention_head_sum=attention_head_sum_tilelang,
-                   index_scores_at=index_scores_at_tilelang)
+                   index_scores_at=index_scores_at_tilelang, indexer_loss_on_slots=indexer_loss_on_slots_tilelang)
 # --8<-- [end:decline]
 
 

@@ -96,9 +96,10 @@ class SparseMLAFunction(torch.autograd.Function):
 
         q, kv = q.contiguous(), with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         T, H, D = q.shape
-        if schedule == "warp_specialized" and H % 64 == 0:
+        if schedule in ("warp_specialized", "seesaw") and H % 64 == 0:
             step = 2 * fwd.BLOCK_I  # one 64-row block per stage, two stages per loop step
-            kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
+            build = fwd.seesaw_kernel if schedule == "seesaw" else fwd.warp_specialized_kernel
+            kernel = build(H, D, d_v, float(sm_scale))
         else:
             step = fwd.BLOCK_I
             kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
@@ -131,6 +132,10 @@ class SparseMLAFunction(torch.autograd.Function):
 # --8<-- [end:sparse_mla_function]
 
 
+#: The 64-head schedule ``schedule="auto"`` takes (benchmarks/bench_kernels.py times both on the H200).
+AUTO_SCHEDULE = "warp_specialized"
+
+
 # --8<-- [start:sparse_mla_tilelang]
 def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True):
     """Sparse MLA on TileLang with the readable API's contract (see `dsa_ref.sparse_mla`).
@@ -138,8 +143,9 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     Args:
         q: ``[T, H, D]`` bf16 CUDA; kv: ``[S, D]`` or ``[S, 1, D]`` bf16; indices: int ``[T, K]``
             (``[T, 1, K]`` accepted), ``-1`` = unused slot.
-        schedule: ``"warp_specialized"`` (64-head blocks), ``"simple"``, or ``"auto"`` (the
-            warp-specialised one whenever ``H`` is a multiple of 64).
+        schedule: ``"seesaw"`` or ``"warp_specialized"`` (64-head blocks, ``D - d_v = 64`` for
+            the seesaw), ``"simple"``, or ``"auto"`` (`AUTO_SCHEDULE` whenever ``H`` is a multiple
+            of 64 and the shape allows it, else the simple one).
         validate: check that every index is ``-1`` or in ``[0, S)``, and raise ``ValueError`` if
             not. The minimum and maximum are computed on the GPU next to the kernel and read back
             after the launch: one device sync per call, which waits for the kernel, so the host
@@ -155,8 +161,13 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     reason = sparse_mla_supported(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(f"sparse_mla_tilelang: {reason}")
+    if schedule not in ("auto", "seesaw", "warp_specialized", "simple"):
+        raise ValueError(f"schedule must be 'auto', 'seesaw', 'warp_specialized' or 'simple', got {schedule!r}")
     if schedule == "auto":
-        schedule = "warp_specialized" if q.shape[1] % 64 == 0 else "simple"
+        schedule = "simple"
+        if q.shape[1] % 64 == 0:
+            seesaw_fits = q.shape[2] - d_v == 64
+            schedule = AUTO_SCHEDULE if (AUTO_SCHEDULE != "seesaw" or seesaw_fits) else "warp_specialized"
     bounds = index_bounds(indices) if validate and indices.numel() else None  # [2] on the GPU, not read yet
     out, lse = SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule)
     if bounds is not None:

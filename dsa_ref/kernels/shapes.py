@@ -49,6 +49,11 @@ INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(blo
 INDEXER_FP8_TUNE = [dict(block_q=8, pingpong=True)]
 
 
+# The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default
+# (2048 slots, 256 threads), timed against it by benchmarks/bench_slot_kl.py.
+SLOT_KL_SCHEDULES = [dict(block=1024, threads=256), dict(block=2048, threads=512), dict(block=1024, threads=128)]
+
+
 def kernel_set():
     """``(builder_name, args[, kwargs])`` for every kernel the tests and benchmarks compile."""
     jobs = []
@@ -58,6 +63,7 @@ def kernel_set():
         jobs.append(("delta", (h, DIM_V)))
         if h % 64 == 0:
             jobs.append(("warp_specialized", (h, DIM, DIM_V, SM_SCALE)))
+            jobs.append(("seesaw", (h, DIM, DIM_V, SM_SCALE)))
     jobs += [("backward", (128, DIM, DIM_V, SM_SCALE), kw) for kw in BACKWARD_SCHEDULES]
     jobs += [("indexer", (64, INDEXER_DIM, True), kw) for kw in INDEXER_SCHEDULES]
     for h in INDEXER_HEADS:
@@ -75,16 +81,20 @@ def kernel_set():
     jobs.append(("topk", ()))
     for h in TEST_HEADS:
         jobs.append(("head_sum", (h, DIM, SM_SCALE)))
+    jobs.append(("slot_kl", ()))
+    jobs += [("slot_kl", (), kw) for kw in SLOT_KL_SCHEDULES]
     return jobs
 
 
 def build(name, args, kwargs=None):
     """Compile one kernel of `kernel_set` (TileLang caches it on disk)."""
-    from . import attention_target, indexer_bwd, indexer_fwd, indexer_fwd_fp8, sparse_mla_bwd, sparse_mla_fwd, topk
+    from . import (attention_target, indexer_bwd, indexer_fwd, indexer_fwd_fp8, indexer_loss_slots, sparse_mla_bwd,
+                   sparse_mla_fwd, topk)
 
     builders = {
         "simple": sparse_mla_fwd.simple_kernel,
         "warp_specialized": sparse_mla_fwd.warp_specialized_kernel,
+        "seesaw": sparse_mla_fwd.seesaw_kernel,
         "backward": sparse_mla_bwd.backward_kernel,
         "delta": sparse_mla_bwd.delta_kernel,
         "indexer": indexer_fwd.indexer_kernel,
@@ -93,5 +103,6 @@ def build(name, args, kwargs=None):
         "scores_at_backward": indexer_bwd.indexer_backward_kernel,
         "topk": topk.topk_kernel,
         "head_sum": attention_target.head_sum_probs_kernel,
+        "slot_kl": indexer_loss_slots.slot_kl_kernel,
     }
     return builders[name](*args, **(kwargs or {}))

@@ -156,12 +156,52 @@ def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
 # --8<-- [end:simple_kernel]
 
 
+# --8<-- [start:gather_pairs]
+@T.macro
+def gather_pairs(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, topk, prefetch_rows):
+    """The producer warpgroup's loop (thread ``p`` of 128): gather each 64-slot block into its stage.
+
+    Per stage, 16 rows at a time, 8 threads per row, each copying 8 channels (16 bytes) of every
+    64-channel chunk with ``cp.async``; the stage's ``kv_ready`` barrier fires when the copies land.
+    A ``-1`` slot copies the zero row and is marked invalid in ``valid_s``. With ``prefetch_rows``
+    the thread's 4 row indices of a stage are loaded one pair ahead, right after the stage's copies
+    are issued, so the copies of the next pair never wait for an index load; without it each
+    index is loaded just before its copies (4 dependent loads per stage).
+    """
+    if prefetch_rows:
+        for stage in T.unroll(2):  # the first pair's rows (a row holds at least 128 slots)
+            for r in T.unroll(BLOCK_I // 16):
+                rows[stage, r] = Indices[t, stage * BLOCK_I + r * 16 + p // 8]
+    for it in T.serial(n_pairs):
+        for stage in T.unroll(2):
+            T.barrier_wait(kv_free[stage], (it & 1) ^ 1)
+            for r in T.unroll(BLOCK_I // 16):
+                slot = r * 16 + p // 8
+                if not prefetch_rows:
+                    rows[stage, r] = Indices[t, (it * 2 + stage) * BLOCK_I + slot]
+                valid_s[stage, slot] = rows[stage, r] >= 0
+                # a -1 slot copies the zero row (and is masked); TileLang guards the copy with
+                # 0 <= row < S, so an out-of-range index (reported by the wrapper) reads zeros
+                for u in T.serial(KV.shape[1] // 64):
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_s[stage, slot, 64 * u + (p % 8) * 8], "w", 8),
+                        T.access_ptr(KV[zero_row_or(rows[stage, r], num_kv), 64 * u + (p % 8) * 8], "r", 8),
+                        8,  # elements: 8 bf16 = one 16-byte cp.async
+                    )
+            T.cp_async_barrier_noinc(kv_ready[stage])
+            if prefetch_rows:
+                if it + 1 < n_pairs:  # the next pair's rows of this stage, while the copies run
+                    for r in T.unroll(BLOCK_I // 16):
+                        rows[stage, r] = Indices[t, ((it + 1) * 2 + stage) * BLOCK_I + r * 16 + p // 8]
+# --8<-- [end:gather_pairs]
+
+
 # --8<-- [start:warp_specialized_kernel]
 _PASS_WS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
 @functools.lru_cache(maxsize=None)
-def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
+def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, prefetch_rows: bool = True):
     """Compile the warp-specialised sparse MLA forward (64 heads per block, two KV stages).
 
     Arguments as for `simple_kernel`, except that ``K`` is a multiple of 128 and ``NumBlocks``
@@ -189,7 +229,6 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
     scale2 = sm_scale * LOG2E
     num_q, num_kv, topk = T.dynamic("num_q"), T.dynamic("num_kv"), T.dynamic("topk")
     bf16, f32 = "bfloat16", "float32"
-    chunks_per_row = dim // 64  # each producer thread copies 8 channels of every 64-channel chunk
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
@@ -215,7 +254,7 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
             l = T.alloc_fragment((hb,), f32)
             l_blk = T.alloc_fragment((hb,), f32)
             alpha = T.alloc_fragment((hb,), f32)
-            row = T.alloc_var("int32")
+            rows = T.alloc_local((2, BLOCK_I // 16), "int32")  # the producer's rows of both stages
 
             q_ready = T.alloc_barrier(arrive_count=384)
             kv_ready = T.alloc_barrier(arrive_count=[128, 128])
@@ -294,24 +333,155 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                 T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
             else:  # producer: gather selected rows into the free stage
                 T.set_max_nreg(80, 0)
-                p = tx - 256  # 0..127: 16 rows at a time, 8 threads per row
-                for it in T.serial(n_pairs):
-                    for stage in T.unroll(2):
-                        T.barrier_wait(kv_free[stage], (it & 1) ^ 1)
-                        for r in T.serial(BLOCK_I // 16):
-                            slot = r * 16 + p // 8
-                            row = Indices[t, (it * 2 + stage) * BLOCK_I + slot]
-                            valid_s[stage, slot] = row >= 0
-                            row = zero_row_or(row, num_kv)  # a -1 slot copies the zero row and is masked
-                            # (TileLang guards this copy with 0 <= row < S: an out-of-range index,
-                            # which the wrapper reports after the launch, reads zeros, not past kv)
-                            for u in T.serial(chunks_per_row):
-                                T.ptx_cp_async(
-                                    T.access_ptr(kv_s[stage, slot, 64 * u + (p % 8) * 8], "w", 8),
-                                    T.access_ptr(KV[row, 64 * u + (p % 8) * 8], "r", 8),
-                                    8,  # elements: 8 bf16 = one 16-byte cp.async
-                                )
-                        T.cp_async_barrier_noinc(kv_ready[stage])
+                gather_pairs(tx - 256, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, topk,
+                             prefetch_rows)
 
     return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
 # --8<-- [end:warp_specialized_kernel]
+
+
+# --8<-- [start:seesaw_kernel]
+@functools.lru_cache(maxsize=None)
+def seesaw_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, prefetch_rows: bool = True):
+    """Compile the "seesaw" sparse MLA forward: two consumers that each own every other block.
+
+    Arguments as for `warp_specialized_kernel` (``K`` a multiple of 128, ``NumBlocks`` counts
+    pairs of 64-slot blocks). In `warp_specialized_kernel` consumer 0 does all of ``S = Q K^T``
+    and the softmax while consumer 1 waits for ``P``: per block, 576 + 256 channels of
+    tensor-core work on one side, 256 on the other. Here the work is split evenly (FlashMLA's
+    SM90 sparse prefill splits it this way too):
+
+    * **consumer 0** (threads 0-127) computes ``S0`` of the *even* block (stage 0), **consumer 1**
+      (threads 128-255) ``S1`` of the *odd* block (stage 1), at the same time;
+    * they swap their row maxima through shared memory, so both rescale with the same running
+      maximum ``m``; each exponentiates its own block (``P0``, ``P1``) and adds its row sums;
+    * each writes its ``P`` into the rope columns of its own stage (``kv_s[stage, :, 512:]``, no
+      longer needed once its ``S`` is done: ``64 x 64`` bf16, the size of ``P``), and then
+    * consumer 0 accumulates the **left** half of the output, ``O_L += P0 V0_L + P1 V1_L``, and
+      consumer 1 the **right** half, ``O_R += P1 V1_R + P0 V0_R``, each reading the other's ``P``;
+    * at the end the two row sums are added; the **producer** (threads 256-383) gathers rows as in
+      `warp_specialized_kernel`.
+
+    Barriers: ``kv_ready`` / ``kv_free`` per stage (producer <-> both consumers), ``max_ready[c]`` and
+    ``p_ready[c]`` (consumer ``c`` -> the other: its row maxima, its ``P``). A stage is refilled only
+    after both consumers released it, which is also when the other's maxima and ``P`` of that
+    stage have been read, so no buffer is overwritten early.
+    """
+    hb, per_query = head_blocking(heads)
+    if hb != 64:
+        raise ValueError(f"the seesaw kernel needs 64-head blocks, got heads={heads}")
+    if dim - dim_v != BLOCK_I or dim_v % 2:
+        raise ValueError(f"the seesaw kernel stores P [64, 64] in the rope columns: dim - dim_v must be "
+                         f"{BLOCK_I}, got {dim} - {dim_v}")
+    half = dim_v // 2
+    scale2 = sm_scale * LOG2E
+    num_q, num_kv, topk = T.dynamic("num_q"), T.dynamic("num_kv"), T.dynamic("topk")
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def consumer(c, t, h0, n_pairs, q_s, kv_s, valid_s, max_s, sum_s, acc_s, acc_o, m, m_prev, m_peer, l, l_blk,
+                 q_ready, kv_ready, kv_free, max_ready, p_ready, Out, Lse):
+        """One consumer (``c`` = 0: even blocks and the left half of O; 1: odd blocks, right half)."""
+        o_s = q_s  # Q is dead after the last S: the output is staged in its place
+        cols = slice(c * half, (c + 1) * half)  # this consumer's half of the value channels
+        T.set_max_nreg(216, 1)
+        T.fill(l, 0)
+        T.fill(m, -(2.0**30))  # finite: masked -inf scores give exp2(-inf) = 0, never NaN
+        T.fill(acc_o, 0)
+        T.barrier_wait(q_ready, 0)
+        for it in T.serial(n_pairs):
+            # S = Q K^T of this consumer's block, over all 576 channels; -1 slots start at -inf
+            T.barrier_wait(kv_ready[c], it & 1)
+            for h, i in T.Parallel(hb, BLOCK_I):
+                acc_s[h, i] = T.if_then_else(valid_s[c, i], 0, -T.infinity(f32))
+            T.wgmma_gemm(q_s[:, :half], kv_s[c, :, :half], acc_s, transpose_B=True)
+            T.wgmma_gemm(q_s[:, half:dim_v], kv_s[c, :, half:dim_v], acc_s, transpose_B=True)
+            T.wgmma_gemm(q_s[:, dim_v:], kv_s[c, :, dim_v:], acc_s, transpose_B=True)
+            T.copy(m, m_prev)
+            T.wait_wgmma(0)
+            # the running maximum over both blocks: swap row maxima with the other consumer
+            T.reduce_max(acc_s, m, dim=1, clear=False)
+            T.copy(m, max_s[c, :])
+            T.barrier_arrive(max_ready[c])
+            T.barrier_wait(max_ready[1 - c], it & 1)
+            T.copy(max_s[1 - c, :], m_peer)
+            for h in T.Parallel(hb):
+                m[h] = T.max(m[h], m_peer[h])
+            for h, d in T.Parallel(hb, half):
+                acc_o[h, d] = acc_o[h, d] * T.exp2((m_prev[h] - m[h]) * scale2)
+            for h, i in T.Parallel(hb, BLOCK_I):
+                acc_s[h, i] = T.exp2(acc_s[h, i] * scale2 - m[h] * scale2)
+            T.reduce_sum(acc_s, l_blk, dim=1)
+            for h in T.Parallel(hb):
+                l[h] = l[h] * T.exp2((m_prev[h] - m[h]) * scale2) + l_blk[h]
+            # P into this stage's rope columns; O_half += P_own V_own,half + P_other V_other,half
+            T.copy(acc_s, kv_s[c, :, dim_v:])
+            T.barrier_arrive(p_ready[c])
+            T.wgmma_gemm(kv_s[c, :, dim_v:], kv_s[c, :, cols], acc_o)
+            T.barrier_wait(p_ready[1 - c], it & 1)
+            T.wgmma_gemm(kv_s[1 - c, :, dim_v:], kv_s[1 - c, :, cols], acc_o)
+            T.wait_wgmma(1)
+            T.barrier_arrive(kv_free[c])
+            T.wait_wgmma(0)
+            T.barrier_arrive(kv_free[1 - c])
+        # the row sums of both blocks' probabilities (the other consumer's through sum_s)
+        T.copy(l, sum_s[c, :])
+        T.barrier_arrive(max_ready[c])
+        T.barrier_wait(max_ready[1 - c], n_pairs & 1)
+        for h in T.Parallel(hb):
+            l[h] = l[h] + sum_s[1 - c, h]
+        for h, d in T.Parallel(hb, half):
+            acc_o[h, d] = T.if_then_else(l[h] > 0, acc_o[h, d] / l[h], 0)
+        T.copy(acc_o, o_s[:, cols])
+        T.copy(o_s[:, cols], Out[t, h0:h0 + hb, cols])
+        if c == 0:
+            for h in T.Parallel(hb):
+                l[h] = T.if_then_else(l[h] > 0, (T.log2(l[h]) + m[h] * scale2) * LN2, -T.infinity(f32))
+            T.copy(l, Lse[t, h0:h0 + hb])
+
+    @T.prim_func
+    def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
+             Indices: T.Tensor((num_q, topk), "int32"), NumBlocks: T.Tensor((num_q,), "int32"),
+             Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
+        with T.Kernel(num_q * per_query, threads=384) as bx:
+            t = bx // per_query
+            h0 = (bx % per_query) * hb
+            n_pairs = NumBlocks[t]
+            q_s = T.alloc_shared((hb, dim), bf16)
+            kv_s = T.alloc_shared((2, BLOCK_I, dim), bf16)  # stage 0: even blocks, stage 1: odd blocks
+            valid_s = T.alloc_shared((2, BLOCK_I), "bool", scope="shared")
+            max_s = T.alloc_shared((2, hb), f32, scope="shared")  # each consumer's row maxima
+            sum_s = T.alloc_shared((2, hb), f32, scope="shared")  # each consumer's row sums (at the end)
+            # each consumer's registers: S then P [heads, slots], its half of O, row statistics
+            acc_s_0, acc_s_1 = T.alloc_fragment((hb, BLOCK_I), f32), T.alloc_fragment((hb, BLOCK_I), f32)
+            acc_o_0, acc_o_1 = T.alloc_fragment((hb, half), f32), T.alloc_fragment((hb, half), f32)
+            m_0, m_1 = T.alloc_fragment((hb,), f32), T.alloc_fragment((hb,), f32)
+            m_prev_0, m_prev_1 = T.alloc_fragment((hb,), f32), T.alloc_fragment((hb,), f32)
+            m_peer_0, m_peer_1 = T.alloc_fragment((hb,), f32), T.alloc_fragment((hb,), f32)
+            l_0, l_1 = T.alloc_fragment((hb,), f32), T.alloc_fragment((hb,), f32)
+            l_blk_0, l_blk_1 = T.alloc_fragment((hb,), f32), T.alloc_fragment((hb,), f32)
+            rows = T.alloc_local((2, BLOCK_I // 16), "int32")  # the producer's rows of both stages
+
+            q_ready = T.alloc_barrier(arrive_count=384)
+            kv_ready = T.alloc_barrier(arrive_count=[128, 128])
+            kv_free = T.alloc_barrier(arrive_count=[256, 256])
+            max_ready = T.alloc_barrier(arrive_count=[128, 128])  # consumer c's maxima (and at the end its sums)
+            p_ready = T.alloc_barrier(arrive_count=[128, 128])  # consumer c's P
+
+            tx = T.get_thread_binding()
+            T.tma_copy(Q[t, h0:h0 + hb, :], q_s, barrier=q_ready)
+            T.barrier_arrive(q_ready)
+
+            if tx < 128:
+                consumer(0, t, h0, n_pairs, q_s, kv_s, valid_s, max_s, sum_s, acc_s_0, acc_o_0, m_0, m_prev_0,
+                         m_peer_0, l_0, l_blk_0, q_ready, kv_ready, kv_free, max_ready, p_ready, Out, Lse)
+            elif tx < 256:
+                consumer(1, t, h0, n_pairs, q_s, kv_s, valid_s, max_s, sum_s, acc_s_1, acc_o_1, m_1, m_prev_1,
+                         m_peer_1, l_1, l_blk_1, q_ready, kv_ready, kv_free, max_ready, p_ready, Out, Lse)
+            else:  # producer: gather selected rows into the free stage (as in warp_specialized_kernel)
+                T.set_max_nreg(72, 0)
+                gather_pairs(tx - 256, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, topk,
+                             prefetch_rows)
+
+    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
+# --8<-- [end:seesaw_kernel]
