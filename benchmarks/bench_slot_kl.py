@@ -17,16 +17,17 @@ forward and the wrapper's forward. Megatron's fused kernel is compared in
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from dsa_ref.indexer_loss import indexer_loss_on_slots  # noqa: E402
 from dsa_ref.kernels import indexer_loss_slots as kl  # noqa: E402
 from dsa_ref.kernels.shapes import SLOT_KL_SCHEDULES  # noqa: E402
+from bench_kernels import cuda_time_ms  # noqa: E402
 
 
 def inputs(T: int, K: int, seed: int = 0):
@@ -38,23 +39,9 @@ def inputs(T: int, K: int, seed: int = 0):
 
 
 def time_ms(fn, repeat: int, *, queue_ahead: bool = False) -> float:
-    """Median ms of one call after an L2 flush. Per call, the host's own time shows where the GPU
-    waits for it; with ``queue_ahead`` the GPU first spins for ~5 ms, so the host has queued the
-    whole call before the start event runs: GPU time alone."""
+    """`bench_kernels.cuda_time_ms` after an L2 flush before every call (per call, or GPU time alone)."""
     flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
-    times = []
-    for i in range(repeat + 3):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queue_ahead:
-            torch.cuda._sleep(10_000_000)  # cycles: ~5 ms at 1.98 GHz
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(fn, reps=repeat, before_each=flush.zero_, queue_ahead=queue_ahead)
 
 
 def main() -> None:

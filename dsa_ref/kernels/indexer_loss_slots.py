@@ -37,11 +37,10 @@ import torch
 
 from ..indexer_loss import _reduce, check_slot_loss_inputs
 from ._target import compile_target
-from .sparse_mla_fwd import LOG2E
+from .sparse_mla_fwd import LN2, LOG2E
 
 BLOCK = 2048  # slots per tile: DeepSeek-V3.2's top-k, so a sparse-stage row is one tile
 THREADS = 256  # 8 slots per thread
-LN2 = 0.6931471805599453
 
 _PASS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
 
