@@ -39,7 +39,8 @@ Two ways to compute a block, with one driver (`streamed_indexer_loss`):
 A row whose mass is all zero, or with no key, contributes 0 (as in `indexer_loss`). Memory: ``O(T)``
 between forward and backward, one block ``[rows, tile]`` (and the readable mass's
 ``[rows, H, tile]``) at a time. When a single block covers everything, the loss is computed in one
-go with autograd (`indexer_loss_on_slots`): the same numbers, no second pass.
+go with autograd (``ops.indexer_loss_on_slots``: the fused KL kernel on the kernels' ops, else
+`indexer_loss_on_slots`): the same numbers, no second pass.
 
 `windowed_attention_on_slots` is the main attention of the warm-up on the slot kernels, over the
 window slots of one query chunk at a time, also recomputed in backward.
@@ -289,8 +290,9 @@ def streamed_indexer_loss(q_i: torch.Tensor, k_i: torch.Tensor, w_i: torch.Tenso
         r0, r1, lo, hi = plan[0]
         scores, mass, valid = run(q_i[r0:r1], k_i, w_i[r0:r1], q[r0:r1], kv, lse[r0:r1], starts[r0:r1],
                                   ends[r0:r1], lo, hi)
-        return indexer_loss_on_slots(scores, mass, valid, reduction=reduction, coeff=coeff, num_rows=num_rows,
-                                     head_sum_reduce=head_sum_reduce)
+        kl_on_slots = indexer_loss_on_slots if ops is None else ops.indexer_loss_on_slots  # the KL kernel on GPU
+        return kl_on_slots(scores, mass, valid, reduction=reduction, coeff=coeff, num_rows=num_rows,
+                           head_sum_reduce=head_sum_reduce)
     total = StreamedKL.apply(q_i, k_i, w_i, q, kv, lse, starts, ends, plan, run, head_sum_reduce)
     return _reduce(total, rows, reduction, num_rows, coeff)
 # --8<-- [end:streamed_indexer_loss]

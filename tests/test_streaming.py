@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ from dsa_ref.attention import dense_mla_attention
 from dsa_ref.config import tiny
 from dsa_ref.dsa import DSAttention, IndexerLossAutoScaler
 from dsa_ref.indexer import lightning_indexer, topk_indices
-from dsa_ref.indexer_loss import indexer_loss
+from dsa_ref.indexer_loss import indexer_loss, indexer_loss_on_slots
 from dsa_ref.layout import cp_shard_index, key_windows, positions
 from dsa_ref.slot_path import REFERENCE_OPS
 from dsa_ref.sparse_attention import sparse_mla
@@ -221,6 +223,28 @@ def test_streamed_loss_options(ops):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         for a, b in zip(got_grads, want_grads):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_streamed_loss_in_one_block_uses_the_ops_kl():
+    """One block holds every key: the loss is the ops' own KL over the slots (the fused kernel on the
+    kernels' ops), called once with the layer's reduction; several blocks stream without it."""
+    x = _loss_inputs("packed", seed=5)
+    leaves = (x["q_i"], x["k_i"], x["w_i"])
+    calls = []
+
+    def counting_kl(*args, **kw):
+        calls.append(kw)
+        return indexer_loss_on_slots(*args, **kw)
+
+    ops = dataclasses.replace(REFERENCE_OPS, indexer_loss_on_slots=counting_kl)
+    want = _reference_loss(x, reduction="sum", coeff=0.5)
+    got = streamed_indexer_loss(*leaves, x["q"], x["kv"], x["lse"], sm_scale=0.3, starts=x["starts"],
+                                ends=x["ends"], reduction="sum", coeff=0.5, ops=ops)
+    assert len(calls) == 1 and calls[0]["reduction"] == "sum" and calls[0]["coeff"] == 0.5
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    streamed_indexer_loss(*leaves, x["q"], x["kv"], x["lse"], sm_scale=0.3, starts=x["starts"],
+                          ends=x["ends"], key_tile=4, ops=ops)
+    assert len(calls) == 1
 
 
 def test_streamed_loss_no_valid_rows_gives_zero_with_zero_gradients():

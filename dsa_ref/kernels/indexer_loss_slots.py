@@ -133,11 +133,12 @@ class SlotKL(torch.autograd.Function):
     def forward(ctx, slot_scores: torch.Tensor, mass: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         num_rows, width = slot_scores.shape
         d_scores = torch.empty((num_rows, width), dtype=torch.float32, device=slot_scores.device)  # [T, K]
-        kl_rows = torch.zeros((num_rows,), dtype=torch.float32, device=slot_scores.device)  # [T]
+        kl_rows = torch.empty((num_rows,), dtype=torch.float32, device=slot_scores.device)  # [T]
         if num_rows and width:
-            slot_kl_kernel()(slot_scores, mass, valid, d_scores, kl_rows)
+            slot_kl_kernel()(slot_scores, mass, valid, d_scores, kl_rows)  # writes every row of both
         else:
             d_scores.zero_()
+            kl_rows.zero_()
         ctx.save_for_backward(d_scores)
         return kl_rows.sum()
 
@@ -185,5 +186,6 @@ def indexer_loss_on_slots_tilelang(slot_scores: torch.Tensor, attention_mass: to
         # the reduction (e.g. TP's all-reduce) sums what it is given: zero the invalid slots first
         mass = head_sum_reduce(torch.where(valid, mass, torch.zeros((), dtype=mass.dtype, device=mass.device)))
     total = SlotKL.apply(slot_scores.float().contiguous(), mass.contiguous(), valid.contiguous())
-    return _reduce(total, valid.any(dim=-1).sum(), reduction, num_rows, coeff)
+    counted = valid.any(dim=-1).sum() if reduction == "mean" and num_rows is None else None  # rows with a slot
+    return _reduce(total, counted, reduction, num_rows, coeff)
 # --8<-- [end:indexer_loss_on_slots_tilelang]
