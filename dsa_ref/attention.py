@@ -346,17 +346,33 @@ def _selecting_attend(acc: torch.dtype, sm_scale: float, mha: bool, out_dtype: t
 ORDINARY_MAX = 2.0**64
 
 
+def window_span(starts: torch.Tensor, ends: torch.Tensor) -> tuple[int, int]:
+    """``(lo, hi)``: the keys that int ``[C]`` windows cover, min start to max end over the non-empty ones.
+
+    ``(0, 0)`` when every window is empty. One read back to the host.
+    """
+    nonempty = ends > starts  # [C]
+    if not bool(nonempty.any()):
+        return 0, 0
+    return int(starts[nonempty].min()), int(ends[nonempty].max())
+
+
 def _plain_attend(acc: torch.dtype, sm_scale: float, mha: bool, out_dtype: torch.dtype):
-    """A chunk of windowed attention as one masked product over all keys (ordinary keys only)."""
+    """A chunk of windowed attention as one masked product over the keys its windows cover (ordinary
+    keys only): the keys outside every window of the chunk would get probability 0, so they are left out."""
 
     def attend(q_c, starts_c, ends_c, k_, v_):
+        if starts_c is not None:  # only the keys the chunk's windows cover (causal: up to its last query)
+            lo, hi = window_span(starts_c, ends_c)
+            k_, v_ = k_[lo:hi], v_[lo:hi]  # [S', (H,) D], [S', (H,) D_v]
+            starts_c, ends_c = starts_c - lo, ends_c - lo  # an empty window stays empty
         q_c, k_, v_ = q_c.to(acc), k_.to(acc), v_.to(acc)
-        scores = torch.einsum("thd,shd->ths" if mha else "thd,sd->ths", q_c, k_) * sm_scale  # [C, H, S]
+        scores = torch.einsum("thd,shd->ths" if mha else "thd,sd->ths", q_c, k_) * sm_scale  # [C, H, S']
         valid = None
         if starts_c is not None:
-            key = torch.arange(k_.shape[0], device=q_c.device)  # [S]
-            valid = ((key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None]))[:, None, :]  # [C, 1, S]
-        probs, lse = masked_softmax_with_lse(scores, valid)  # [C, H, S], [C, H]
+            key = torch.arange(k_.shape[0], device=q_c.device)  # [S']
+            valid = ((key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None]))[:, None, :]  # [C, 1, S']
+        probs, lse = masked_softmax_with_lse(scores, valid)  # [C, H, S'], [C, H]
         out = torch.einsum("ths,shv->thv" if mha else "ths,sv->thv", probs, v_)  # [C, H, D_v]
         return out.to(out_dtype), lse
 

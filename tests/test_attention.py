@@ -13,6 +13,7 @@ from dsa_ref.attention import (
     auto_chunk_size,
     dense_mla_attention,
     masked_softmax_with_lse,
+    window_span,
     windowed_attention,
 )
 from dsa_ref.layout import key_windows
@@ -291,6 +292,44 @@ def test_dense_mla_chunk_size_invariance():
             ref = res
         for a, b in zip(res, ref):
             torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_window_span():
+    assert window_span(torch.tensor([3, 0, 5]), torch.tensor([4, 0, 9])) == (3, 9)  # the empty row is ignored
+    assert window_span(torch.tensor([2, 7]), torch.tensor([2, 1])) == (0, 0)  # every window empty
+    assert window_span(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == (0, 0)
+
+
+def test_chunk_scores_only_the_keys_its_windows_cover(monkeypatch):
+    """Causal windows, chunks of 4 queries: each chunk's score block spans its own keys (up to its
+    last query), not all S keys, and the result equals the one-chunk computation."""
+    T, H, D = 16, 2, 6
+    g = _gen(31)
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    starts, ends = key_windows(torch.tensor([0, 5, T]))  # two packed sequences
+    seen: list[tuple[int, ...]] = []
+    real_einsum = torch.einsum
+
+    def recording_einsum(eq, *ops):
+        out = real_einsum(eq, *ops)
+        if eq == "thd,sd->ths":
+            seen.append(tuple(out.shape))
+        return out
+
+    results = []
+    for chunk in (4, T):
+        q.grad = kv.grad = None
+        monkeypatch.setattr(torch, "einsum", recording_einsum)
+        out, lse = dense_mla_attention(q, kv, sm_scale=0.3, d_v=4, starts=starts, ends=ends, chunk_size=chunk)
+        monkeypatch.setattr(torch, "einsum", real_einsum)
+        (out.square().sum() + lse.sum()).backward()
+        results.append((out.detach(), lse.detach(), q.grad.clone(), kv.grad.clone()))
+    # chunk rows [0, 4): keys [0, 4); [4, 8): keys [0, 8) (row 4 is in sequence one); [8, 12): [5, 12); [12, 16): [5, 16)
+    assert seen[:4] == [(4, H, 4), (4, H, 8), (4, H, 7), (4, H, 11)]
+    assert seen[4] == (T, H, T)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 
 def test_auto_chunk_size():
