@@ -18,6 +18,12 @@
 #              $OUT/bench_peers.json (+ .log, .png, known_kernels.md)
 #   profile    benchmarks/profile_layer_step.py: the layer step under torch.profiler at 4K/8K/16K
 #              tokens, both stages, to $OUT/profile_layer_step.{json,md}
+#   ab         benchmarks/bench_layer_ab.py: the layer step of this tree against the one in .gpu/before
+#              (`git archive <commit> dsa_ref | tar -x -C .gpu/before`), alternating, 4K/8K/16K tokens,
+#              both stages, with the host synchronisations of one step counted
+#   kl         benchmarks/bench_slot_kl.py: the fused KL kernel, split into kernel, Function and wrapper
+#   longref    the readable reference's long-context points (bench_long_context.py --points, sparse 4K /
+#              64K / 128K and dense warm-up 64K; LONGREF_TIMEOUT seconds per point, default 400)
 #   fp8        the fp8 indexer alone: its GPU tests, then benchmarks/bench_indexer_fp8.py (fp8 vs bf16
 #              kernel, every fp8 schedule, accuracy against the simulation, top-k overlap)
 # or one of the shorthands check = tests,tune, final = tests,refmem,cp,layers and
@@ -25,6 +31,8 @@
 # Environment: TEST_TIMEOUT, TUNE_TIMEOUT (seconds); TUNE_KERNELS (default indexer,topk) and
 # TUNE_BACKWARD=0 narrow the tuning; DSA_REF_BENCH_QUEUE_AHEAD=1 makes bench_kernels.py measure GPU
 # time instead of one call on an idle GPU. PEERS_BUDGET (seconds, default 480) bounds bench_peers.
+# At the end every report under $OUT except gpu.txt and the kernel cache is packed into
+# $OUT/reports.tar.gz (the device tool brings back only so many files); PACK=0 leaves them loose.
 set -uo pipefail
 what=${1:-all}; shift || true
 case "$what" in
@@ -96,7 +104,24 @@ if has peers; then
       > "$OUT/known_kernels.md" || true
   fi
 fi
+if has ab; then
+  timeout 900 python3 benchmarks/bench_layer_ab.py --other .gpu/before --count-syncs --timeout-s 400 \
+    --out "$OUT/bench_layer_ab.json" 2>&1 | tee "$OUT/bench_layer_ab.log"
+fi
+if has kl; then
+  timeout 200 python3 benchmarks/bench_slot_kl.py --out "$OUT/bench_slot_kl.json" 2>&1 | tee "$OUT/bench_slot_kl.log"
+fi
+if has longref; then
+  timeout $(( 4 * ${LONGREF_TIMEOUT:-400} + 60 )) python3 benchmarks/bench_long_context.py \
+    --points reference:sparse:4096,reference:dense_warmup:65536,reference:sparse:65536,reference:sparse:131072 \
+    --point-timeout-s "${LONGREF_TIMEOUT:-400}" --point-limit-s "${LONGREF_TIMEOUT:-400}" \
+    --budget-s $(( 4 * ${LONGREF_TIMEOUT:-400} )) --out "$OUT/longref" 2>&1 | tee "$OUT/long_context_reference.log"
+fi
 if has profile; then
   timeout 300 python3 benchmarks/profile_layer_step.py --out "$OUT" 2>&1 | grep -v "USDT\|profiler_st" | tee "$OUT/profile.log"
 fi
 tar -C ~/.tilelang -cJf "$OUT/tl_cache.tar.xz" cache 2>/dev/null || true
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name gpu.txt ! -name tl_cache.tar.xz ! -name reports.tar.gz \
+     -printf '%P\n' > /tmp/reports.list && tar -czf reports.tar.gz -T /tmp/reports.list && xargs -a /tmp/reports.list rm -rf)
+fi
