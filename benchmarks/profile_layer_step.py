@@ -17,6 +17,9 @@ step's summed self time, so the rows' percentages add up to 100 %. Device times 
 times on the CPU; all per step. The step's wall time comes from CUDA events (or the clock) around
 an unprofiled step.
 
+``DSA_REF_CODE=DIR`` in the environment imports ``dsa_ref`` from ``DIR`` (another tree) instead of
+this checkout; the JSON's meta records which.
+
 Output in ``--out``: ``profile_layer_step.json`` (meta and every row of every table) and
 ``profile_layer_step.md`` (the ``--top`` rows of each table, by self time).
 """
@@ -30,7 +33,9 @@ import sys
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+# DSA_REF_CODE=DIR profiles the dsa_ref package in DIR instead (another tree, e.g. `git archive <commit>
+# dsa_ref | tar -x -C DIR`), so that two trees' steps can be compared table by table
+sys.path.insert(0, os.environ.get("DSA_REF_CODE", ROOT))
 
 import torch  # noqa: E402
 
@@ -191,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python benchmarks/profile_layer_step.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if device.type == "cuda":
         meta.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    if "DSA_REF_CODE" in os.environ:
+        import dsa_ref
+
+        meta["code"] = os.path.dirname(os.path.dirname(os.path.abspath(dsa_ref.__file__)))
     results = {"meta": meta, "points": []}
     os.makedirs(args.out, exist_ok=True)
     for n in tokens:

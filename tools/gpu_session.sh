@@ -17,7 +17,8 @@
 #              .gpu/peers/flashmla in the benchmark's compile phase), with the extra arguments, to
 #              $OUT/bench_peers.json (+ .log, .png, known_kernels.md)
 #   profile    benchmarks/profile_layer_step.py: the layer step under torch.profiler at 4K/8K/16K
-#              tokens, both stages, to $OUT/profile_layer_step.{json,md}
+#              tokens, both stages, to $OUT/profile_layer_step.{json,md}; with .gpu/before (see ab)
+#              also that tree's at 4K, to $OUT/profile_before/
 #   ab         benchmarks/bench_layer_ab.py: the layer step of this tree against the one in .gpu/before
 #              (`git archive <commit> dsa_ref | tar -x -C .gpu/before`), alternating, 4K/8K/16K tokens,
 #              both stages, with the host synchronisations of one step counted
@@ -119,6 +120,10 @@ if has longref; then
 fi
 if has profile; then
   timeout 300 python3 benchmarks/profile_layer_step.py --out "$OUT" 2>&1 | grep -v "USDT\|profiler_st" | tee "$OUT/profile.log"
+  if [ -d .gpu/before/dsa_ref ]; then  # the same tables for the other tree of `ab`, at 4096 tokens
+    DSA_REF_CODE=.gpu/before timeout 200 python3 benchmarks/profile_layer_step.py --tokens 4096 --out "$OUT/profile_before" \
+      2>&1 | grep -v "USDT\|profiler_st" | tee "$OUT/profile_before.log"
+  fi
 fi
 tar -C ~/.tilelang -cJf "$OUT/tl_cache.tar.xz" cache 2>/dev/null || true
 if [ "${PACK:-1}" = 1 ]; then
