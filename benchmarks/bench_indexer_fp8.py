@@ -11,8 +11,8 @@ time included) and in GPU time (work queued ahead, see bench_kernels.cuda_time_m
 * the fp8 kernel alone (`indexer_fwd_fp8.indexer_fp8_kernel`) on operands quantised beforehand
   (DeepSeek quantises in the projections' epilogue), in its default and in every schedule of
   ``shapes.INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE``; the speed-up is ``bf16 ms / fp8 ms``;
-* the quantisation alone (`quantize_indexer_operands`: `dsa_ref.fp8.act_quant_block128` of q
-  and k in PyTorch ops) and the fp8 wrapper that includes it;
+* the quantisation alone (`quantize_indexer_operands`: `dsa_ref.fp8.act_quant_pow2` of q and k,
+  `act_quant_block128`'s bytes in three PyTorch passes) and the fp8 wrapper that includes it;
 * agreement: the fp8 kernel against the float64 simulation on the same quantised operands
   (relative L2, on a sample of rows), and against the bf16 kernel;
 * the top-k overlap: the share of the bf16 kernel's top-``--topk`` (radix-select kernel) that the
@@ -66,7 +66,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list[dict]) -> dict:
-    from dsa_ref.fp8 import fp8_dequant
+    from dsa_ref.fp8 import act_quant_block128, fp8_dequant
     from dsa_ref.kernels.autograd import lightning_indexer_tilelang
     from dsa_ref.kernels.indexer_fwd import indexer_kernel
     from dsa_ref.kernels.indexer_fwd_fp8 import (
@@ -96,6 +96,9 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
 
         q8, qs, k8, ks = quantize_indexer_operands(q, k)
         timed("fp8_quantize", lambda: quantize_indexer_operands(q, k), scores=False)
+        # the readable quantiser it replaces (the same bytes, tests/test_fp8.py), for the record
+        timed("fp8_quantize_readable", lambda: (act_quant_block128(q, emulate=False),
+                                                act_quant_block128(k, emulate=False)), scores=False)
         timed("fp8_wrapper", lambda: lightning_indexer_fp8_tilelang(q, k, w, starts=st, ends=en))
         scores_fp8 = torch.empty(num_q, num_kv, device="cuda")
         row["fp8_variants"] = []

@@ -37,7 +37,7 @@ import torch
 from ._checks import check_float, check_positive_int
 from .indexer import lightning_indexer, rotate_activation
 
-__all__ = ["E4M3_MAX", "HAS_TORCH_FP8", "e4m3_round", "act_quant_block128", "fp8_dequant", "fp8_roundtrip",
+__all__ = ["E4M3_MAX", "HAS_TORCH_FP8", "e4m3_round", "act_quant_block128", "act_quant_pow2", "fp8_dequant", "fp8_roundtrip",
            "fp8_indexer_scores", "selection_block_size", "fp8_selection_operands"]
 
 #: Largest finite e4m3 (``fn`` variant: no infinities) value.
@@ -95,6 +95,40 @@ def act_quant_block128(x: torch.Tensor, *, block_size: int = 128, pow2_scale: bo
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     scaled = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX)
     y = scaled.to(torch.float8_e4m3fn) if use_torch else e4m3_round(scaled)
+    return y.reshape(x.shape), scale.squeeze(-1)
+
+
+def act_quant_pow2(x: torch.Tensor, *, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`act_quant_block128` with power-of-two scales (``pow2_scale=True, emulate=False``), the same
+    bytes in three passes over ``x``: what the fp8 kernel's wrapper quantises with.
+
+    The block maxima come from one ``aminmax`` in ``x``'s own dtype (exact), the scales from the same
+    float32 operations as in `act_quant_block128`. Dividing by a power of two is exact, so ``x``
+    is multiplied by ``1 / scale`` in its own dtype (bfloat16 or float32; others go through float32)
+    instead of being copied to float32 and divided. No clamp is needed: ``scale >= amax / 448``
+    up to float32 rounding, so ``|x| / scale <= 448 (1 + 2^-23)``, which e4m3 rounds to 448 as the
+    clamp would. (A value reaching 464 would round to e4m3fn's NaN pattern.)
+
+    Args:
+        x: float ``[..., D]``, ``D`` a multiple of ``block_size``.
+        block_size: channels per scale.
+
+    Returns:
+        ``(y [..., D]`` ``torch.float8_e4m3fn``, ``scale [..., D // block_size]`` float32``)``, equal
+        to ``act_quant_block128(x, block_size=block_size, emulate=False)`` (NaN where it has NaN).
+    """
+    check_float("x", x)
+    block_size = check_positive_int("block_size", block_size)
+    if x.dim() < 1 or x.shape[-1] % block_size:
+        raise ValueError(f"x's last dim must be a multiple of block_size={block_size}, got shape {tuple(x.shape)}")
+    if not HAS_TORCH_FP8:
+        raise RuntimeError("act_quant_pow2 needs torch.float8_e4m3fn, which this PyTorch lacks")
+    work = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    blocks = x.detach().to(work).reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)  # [..., nb, B]
+    low, high = torch.aminmax(blocks, dim=-1, keepdim=True)  # [..., nb, 1] each
+    amax = torch.maximum(high.to(torch.float32), -low.to(torch.float32)).clamp_min(1e-4)  # [..., nb, 1]
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # [..., nb, 1], as act_quant_block128
+    y = (blocks * (1.0 / scale).to(work)).to(torch.float8_e4m3fn)  # [..., nb, B]: exact scaling, one rounding
     return y.reshape(x.shape), scale.squeeze(-1)
 
 

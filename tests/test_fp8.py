@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsa_ref import lightning_indexer, topk_indices
 from dsa_ref.adversarial import outlier_channels
@@ -14,6 +16,7 @@ from dsa_ref.fp8 import (
     E4M3_MAX,
     HAS_TORCH_FP8,
     act_quant_block128,
+    act_quant_pow2,
     e4m3_round,
     fp8_dequant,
     fp8_indexer_scores,
@@ -40,6 +43,61 @@ def test_emulation_known_values():
     expected = torch.tensor([1.0, 1.25, 2 ** -9, 0.0, 2 ** -8, 448.0, 448.0, -0.3125, 0.0, 240.0, 224.0])
     # 1.0625 is halfway between 1 and 1.125: ties to even (1.0); 2^-10 is half the smallest subnormal
     assert torch.equal(e4m3_round(x), expected)
+
+
+def _same_quantisation(x, block_size=128):
+    """act_quant_pow2 gives act_quant_block128's bytes and scales (NaN where it has NaN)."""
+    y_fast, s_fast = act_quant_pow2(x, block_size=block_size)
+    y_ref, s_ref = act_quant_block128(x, block_size=block_size, emulate=False)
+    assert y_fast.dtype == torch.float8_e4m3fn and y_fast.shape == y_ref.shape and s_fast.shape == s_ref.shape
+    nan = torch.isnan(y_ref.float())
+    assert torch.equal(torch.isnan(y_fast.float()), nan)
+    assert torch.equal(y_fast.view(torch.uint8)[~nan], y_ref.view(torch.uint8)[~nan]), "the same e4m3 bytes"
+    assert torch.equal(s_fast.nan_to_num(-1.0), s_ref.nan_to_num(-1.0))
+
+
+@needs_torch_fp8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_act_quant_pow2_equals_act_quant_block128(dtype):
+    g = torch.Generator().manual_seed(7)
+    mags = torch.logspace(-6, 4, 40)[:, None] if dtype != torch.float16 else torch.logspace(-4, 4, 40)[:, None]
+    x = (torch.randn(40, 256, generator=g) * mags).to(dtype)
+    _same_quantisation(x)
+    # block maxima exactly at and next to powers of two times 448, the 1e-4 floor, zeros, -0
+    edge = torch.zeros(8, 128)
+    edge[0, 0] = 448.0
+    edge[1, 0] = 448.0 * 2 ** -3
+    edge[2, 0] = torch.nextafter(torch.tensor(448.0 * 2), torch.tensor(1e9))
+    edge[3, 0] = torch.nextafter(torch.tensor(448.0 / 4), torch.tensor(0.0))
+    edge[4, :] = 5e-5  # below the floor: the scale comes from 1e-4
+    edge[5, :] = -0.0
+    edge[6, :] = torch.linspace(-3, 3, 128)
+    edge[7, 0] = -448.0 * 2 ** 5
+    _same_quantisation(edge.to(dtype))
+    # garbage: NaN and Inf spoil their block, in both
+    bad = torch.randn(4, 256, generator=g)
+    bad[0, 3], bad[1, 200], bad[2, 0] = float("nan"), float("inf"), float("-inf")
+    _same_quantisation(bad.to(dtype))
+    # any leading shape, another block size, nothing at all
+    _same_quantisation(torch.randn(3, 5, 64, generator=g).to(dtype), block_size=32)
+    _same_quantisation(torch.zeros(0, 4, 128, dtype=dtype))
+
+
+@needs_torch_fp8
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), log_mag=st.floats(-20, 20), rows=st.integers(1, 9))
+def test_act_quant_pow2_property(seed, log_mag, rows):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 256, generator=g) * torch.exp2(torch.randn(rows, 1, generator=g) * 4 + log_mag)
+    for dtype in (torch.bfloat16, torch.float32):
+        _same_quantisation(x.to(dtype))
+
+
+def test_act_quant_pow2_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        act_quant_pow2(torch.zeros(2, 100))
+    with pytest.raises(TypeError):
+        act_quant_pow2(torch.zeros(2, 128, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("emulate", [True, None])

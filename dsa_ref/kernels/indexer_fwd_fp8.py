@@ -35,7 +35,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from ..fp8 import act_quant_block128
+from ..fp8 import act_quant_pow2
 from ._target import compile_target
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
@@ -245,9 +245,10 @@ def fp8_indexer_scores_tilelang(q8, q_scale, k8, k_scale, weights, *, starts=Non
 # --8<-- [start:lightning_indexer_fp8_tilelang]
 def quantize_indexer_operands(q, k):
     """``(q8, q_scale [T, H_I], k8, k_scale [S])``: `dsa_ref.fp8.act_quant_block128` of ``q`` and ``k``,
-    one power-of-two scale per 128-channel head vector, as DeepSeek-V3.2's ``act_quant``."""
-    q8, q_scale = act_quant_block128(q, block_size=FP8_BLOCK, emulate=False)  # [T, H_I, 128], [T, H_I, 1]
-    k8, k_scale = act_quant_block128(k, block_size=FP8_BLOCK, emulate=False)  # [S, 128], [S, 1]
+    one power-of-two scale per 128-channel head vector, as DeepSeek-V3.2's ``act_quant``; computed
+    by `dsa_ref.fp8.act_quant_pow2` (the same bytes, three passes over each operand)."""
+    q8, q_scale = act_quant_pow2(q, block_size=FP8_BLOCK)  # [T, H_I, 128], [T, H_I, 1]
+    k8, k_scale = act_quant_pow2(k, block_size=FP8_BLOCK)  # [S, 128], [S, 1]
     return q8, q_scale[..., 0], k8, k_scale[..., 0]
 
 
