@@ -37,7 +37,8 @@ from ._checks import (
     check_same_device,
     check_windows,
 )
-from .attention import auto_chunk_size, run_chunked, select_rows, split_window_keys, window_breaks
+from .attention import (DEFAULT_CHUNK_ELEMENTS, _reads_any, auto_chunk_size, ordinary_rows, run_chunked, select_rows,
+                        split_window_keys, window_breaks, window_span)
 from .config import DSAConfig
 from .layout import key_windows, positions
 from .mla import check_tokens, tokens_cu_seqlens
@@ -209,25 +210,75 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *
     acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, weights.dtype) else torch.float32
     S = k.shape[0]
 
-    def score(q_c, w_c, starts_c, ends_c, k_):
+    def finish(logits, w_c):  # [C, H_I, n] -> [C, n]: ReLU, then the weighted sum over heads
+        return torch.einsum("thn,th->tn", logits.relu() if relu else logits, w_c)
+
+    def plain(q_c, w_c, starts_c, ends_c, k_):
+        """A chunk as one product over the keys its windows cover, masked by selection afterwards."""
         q_c, w_c = q_c.to(acc), w_c.to(acc)
         if starts_c is None:  # no mask: every key, as it is
-            logits = torch.einsum("thd,sd->ths", q_c, k_.to(acc))  # [C, H_I, S]
-            return (torch.einsum("ths,th->ts", logits.relu() if relu else logits, w_c),)  # [C, S]
-        # keys outside a query's window are never multiplied into its scores (see dsa_ref.attention)
+            return (finish(torch.einsum("thd,sd->ths", q_c, k_.to(acc)), w_c),)  # [C, S]
+        lo, hi = window_span(starts_c, ends_c)
+        key = torch.arange(lo, hi, device=q_c.device)  # [S']
+        inside = (key[None, :] >= starts_c[:, None]) & (key[None, :] < ends_c[:, None])  # [C, S']
+        inner = finish(torch.einsum("thd,sd->ths", q_c, k_[lo:hi].to(acc)), w_c)  # [C, S']
+        inner = torch.where(inside, inner, torch.full((), float("-inf"), dtype=acc, device=q_c.device))
+        return (_place(inner, lo, S),)  # [C, S], -inf outside the span
+
+    def selecting(q_c, w_c, starts_c, ends_c, k_):
+        """A chunk whose rows read garbage: each row's keys gathered by selection, nothing else touched."""
+        q_c, w_c = q_c.to(acc), w_c.to(acc)
         keys = split_window_keys(starts_c, ends_c)
         k_common, k_ragged = keys.select(k_.to(acc))  # [L, D_I], [C, R, D_I]
         logits = torch.cat([torch.einsum("thd,sd->ths", q_c, k_common),  # [C, H_I, L]
                             torch.einsum("thd,trd->thr", q_c, k_ragged)], dim=-1)  # [C, H_I, L + R]
-        inner = torch.einsum("thk,th->tk", logits.relu() if relu else logits, w_c)  # [C, L + R]
-        inner = torch.where(keys.valid, inner, torch.full((), float("-inf"), dtype=acc, device=q_c.device))
+        inner = torch.where(keys.valid, finish(logits, w_c),
+                            torch.full((), float("-inf"), dtype=acc, device=q_c.device))  # [C, L + R]
         scores = torch.full((q_c.shape[0], S), float("-inf"), dtype=acc, device=q_c.device)  # [C, S]
         return (scores.index_copy(1, keys.keys, inner),)  # -inf outside the window
 
     chunk = auto_chunk_size(T, H * S, chunk_size)
-    (scores,) = run_chunked(score, T, chunk, (q, weights, starts, ends), (k,), breaks=window_breaks(starts))
+    if starts is None:
+        return run_chunked(plain, T, chunk, (q, weights, None, None), (k,))[0]
+    # As in `dsa_ref.attention.windowed_attention`: keys that are not ordinary numbers are zeroed by
+    # selection, so the masked product is exact for every row that does not read them (a masked
+    # score's gradient is exactly 0, and so is its product with an ordinary key); the rows whose
+    # windows hold such a key are scored again by the selecting path, from the keys as they are.
+    bad = ~ordinary_rows(k)  # [S]
+    has_bad = bool(bad.any())
+    k_plain = torch.where(bad[:, None], torch.zeros((), dtype=k.dtype, device=k.device), k) if has_bad else k
+    (scores,) = run_chunked(plain, T, chunk, (q, weights, starts, ends), (k_plain,))
+    readers = _reads_any(bad, starts, ends).nonzero().flatten() if has_bad else None  # [R]
+    if readers is not None and readers.numel():
+        r_starts, r_ends = starts[readers], ends[readers]
+        chunk_r = indexer_chunk_size(readers.numel(), H, S, q.shape[-1], chunk_size, windowed=True)
+        (scores_r,) = run_chunked(selecting, readers.numel(), chunk_r, (q[readers], weights[readers], r_starts, r_ends),
+                                  (k,), breaks=window_breaks(r_starts))
+        scores = scores.index_put((readers,), scores_r)
     return scores
+
+
+def _place(block: torch.Tensor, lo: int, width: int) -> torch.Tensor:
+    """``[C, n]`` scores of keys ``lo .. lo + n - 1`` as ``[C, width]``, ``-inf`` for every other key."""
+    C, n = block.shape
+    pad = lambda m: torch.full((C, m), float("-inf"), dtype=block.dtype, device=block.device)  # noqa: E731
+    return torch.cat([pad(lo), block, pad(width - lo - n)], dim=1)  # [C, width]
 # --8<-- [end:lightning_indexer]
+
+
+def indexer_chunk_size(num_queries: int, heads: int, num_keys: int, head_dim: int, chunk_size: int | None,
+                       *, windowed: bool, budget: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Queries per chunk of `lightning_indexer`: ``chunk_size`` if given, else what keeps both of a
+    chunk's large intermediates within ``budget`` elements.
+
+    They are the ``[C, H_I, S]`` logits and, with windows, the ragged keys gathered per query,
+    ``[C, R, D_I]`` with ``R`` up to ``C`` (a causal chunk's own diagonal block, `split_window_keys`):
+    so ``C <= budget / (H_I S)`` and ``C <= sqrt(budget / D_I)``.
+    """
+    chunk = auto_chunk_size(num_queries, heads * num_keys, chunk_size, budget)
+    if chunk_size is None and windowed:
+        chunk = max(1, min(chunk, int((budget // max(head_dim, 1)) ** 0.5)))
+    return chunk
 
 
 # --8<-- [start:index_scores_at]

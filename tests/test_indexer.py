@@ -518,3 +518,48 @@ def test_indexer_pipeline_sparse_selection_is_causal():
         assert len(valid) == min(cfg.indexer.topk, int(ends[t] - starts[t]))
         assert bool(((valid >= starts[t]) & (valid < ends[t])).all())
         assert len(set(valid.tolist())) == len(valid)
+
+
+def test_indexer_chunk_bounds_the_ragged_gather():
+    from dsa_ref.indexer import indexer_chunk_size
+
+    # the [C, H_I, S] logits: 1000 // (4 * 50) = 5 rows
+    assert indexer_chunk_size(100, 4, 50, 16, None, windowed=False, budget=1000) == 5
+    # with windows the ragged keys [C, C, D_I] must fit too: sqrt(10**6 / 16) = 250 rows
+    assert indexer_chunk_size(4096, 1, 10, 16, None, windowed=True, budget=10**6) == 250
+    assert indexer_chunk_size(4096, 1, 10, 16, None, windowed=False, budget=10**6) == 4096
+    assert indexer_chunk_size(4096, 1, 10, 16, 7, windowed=True, budget=10**6) == 7  # an explicit size wins
+    assert indexer_chunk_size(0, 4, 0, 16, None, windowed=True, budget=10) == 1
+
+
+def test_indexer_rows_that_read_a_huge_key_get_it_exactly():
+    """A key that is not an ordinary number (here 1e25 times a normal row) is zeroed for the masked
+    product; the rows whose windows hold it are scored again from the key as it is: values and
+    gradients equal a per-row, per-key loop."""
+    g = torch.Generator().manual_seed(3)
+    T, S, H, D = 7, 9, 3, 5
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(S, D, generator=g, dtype=torch.float64)
+    k[4] *= 1e25
+    w = torch.randn(T, H, generator=g, dtype=torch.float64)
+    starts = torch.tensor([0, 0, 2, 3, 5, 0, 6])
+    ends = torch.tensor([3, 5, 6, 4, 9, 9, 6])  # rows 1, 2 and 5 read key 4; row 6 reads nothing
+
+    def naive(q, k, w):
+        rows = []
+        for t in range(T):
+            row = [torch.tensor(float("-inf"), dtype=torch.float64)] * S
+            for s in range(int(starts[t]), int(ends[t])):
+                row[s] = (w[t] * (q[t] @ k[s]).relu()).sum()
+            rows.append(torch.stack(row))
+        return torch.stack(rows)
+
+    results = []
+    for fn in (naive, lambda q_, k_, w_: lightning_indexer(q_, k_, w_, starts=starts, ends=ends, chunk_size=2)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
+        scores = fn(*leaves)
+        finite = torch.isfinite(scores)
+        torch.where(finite, scores, torch.zeros_like(scores)).sum().backward()
+        results.append((scores.detach(), *(t.grad for t in leaves)))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
