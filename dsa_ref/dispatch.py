@@ -112,14 +112,15 @@ def topk_indices(scores, topk, *, backend="reference"):
     return _run("topk_indices", backend, _indexer.topk_indices, (scores, topk), {}, scores.device)
 
 
-def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i):
+def slot_ops(backend: str, *, q, kv, q_i, k_i, w_i, validate: bool = True):
     """The kernels of the slot path (`dsa_ref.slot_path`) for `DSAttention`, or ``None``.
 
     ``None`` (``backend="reference"``, or ``"auto"`` where the kernels cannot run) means: take the
     readable steps of chapter 3. ``backend="tilelang"`` raises instead when they cannot run.
+    ``validate=False`` drops the attention kernel's per-call index check (`dsa_ref.kernels.slot_ops`).
     """
     return _from_kernels("the layer's slot path", backend, q.device,
-                         lambda kernels: kernels.slot_ops(q, kv, q_i, k_i, w_i))
+                         lambda kernels: kernels.slot_ops(q, kv, q_i, k_i, w_i, validate=validate))
 
 
 def chunk_selector(backend: str, *, q_i, k_i, w_i, fp8: bool = False):

@@ -234,8 +234,10 @@ class DSAttention(nn.Module):
         topk = streamed_topk_indices(sel_q, sel_k, sel_w, cfg.indexer.topk, starts=starts, ends=ends,
                                      relu=cfg.indexer.use_relu, chunk_selector=select)  # [T_q, topk]
 
-        # 4-5. main attention and the indexer KL loss against it (detached); kernels where they run
-        ops = dispatch.slot_ops(self.backend, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i)
+        # 4-5. main attention and the indexer KL loss against it (detached); kernels where they run.
+        #      Their slots are the layer's own selection or window slots, in range by construction:
+        #      the attention kernel skips its index check and the device sync it costs
+        ops = dispatch.slot_ops(self.backend, q=q, kv=kv, q_i=q_i, k_i=k_i, w_i=w_i, validate=False)
         loss_args = dict(reduction=self.loss_reduction, coeff=self.loss_coeff, num_rows=num_loss_rows,
                          head_sum_reduce=head_sum_reduce)
         if stage == "sparse":  # attention over the selection; the loss on its [T_q, K] slots (`slot_path`)

@@ -73,8 +73,13 @@ def topk_indices(scores, topk):
     return topk_indices_tilelang(scores, topk, sorted=True)
 
 
-def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
-    """The kernels of `dsa_ref.slot_path` as a `SlotOps`, or ``None`` if one of them declines."""
+def slot_ops(q, kv, q_i, k_i, w_i, d_v=512, *, validate=True):
+    """The kernels of `dsa_ref.slot_path` as a `SlotOps`, or ``None`` if one of them declines.
+
+    ``validate=False``: the attention skips its check that every slot is ``-1`` or in ``[0, S)``
+    (and the device sync the check costs), for slots in range by construction, such as the
+    layer's own selection and window slots (`sparse_mla_tilelang`'s ``validate``).
+    """
     from ..slot_path import SlotOps
     from .attention_target import attention_head_sum_supported, attention_head_sum_tilelang
     from .autograd import sparse_mla_supported, sparse_mla_tilelang
@@ -88,7 +93,8 @@ def slot_ops(q, kv, q_i, k_i, w_i, d_v=512):
                index_scores_at_supported(q_i, k_i, w_i, probe_idx))
     if any(r is not None for r in reasons):
         return None
-    return SlotOps(sparse_mla=sparse_mla_tilelang, attention_head_sum=attention_head_sum_tilelang,
+    attend = sparse_mla_tilelang if validate else functools.partial(sparse_mla_tilelang, validate=False)
+    return SlotOps(sparse_mla=attend, attention_head_sum=attention_head_sum_tilelang,
                    index_scores_at=index_scores_at_tilelang, indexer_loss_on_slots=indexer_loss_on_slots_tilelang)
 # --8<-- [end:decline]
 
