@@ -108,10 +108,11 @@ def check_windows(
         check_rank(name, w, 1, "[T]")
         check_dim(name, w, 0, num_queries, "one window per query")
     if num_queries > 0:
-        if int(starts.min()) < 0:
-            raise ValueError(f"starts must be >= 0, got min {int(starts.min())}")
-        if int(ends.max()) > num_keys:
-            raise ValueError(f"ends must be <= num_keys={num_keys}, got max {int(ends.max())}")
+        low, high = torch.stack([starts.min().long(), ends.max().long()]).tolist()  # one read back to the host
+        if low < 0:
+            raise ValueError(f"starts must be >= 0, got min {low}")
+        if high > num_keys:
+            raise ValueError(f"ends must be <= num_keys={num_keys}, got max {high}")
     return starts.long(), ends.long()
 
 
