@@ -165,7 +165,7 @@ def main() -> int:
         best = row["fp8_best"]
         print(f"  speed-up fp8 / bf16 kernel: default {row['speedup_default_gpu']:.2f}x in GPU time "
               f"({row['speedup_default_call']:.2f}x per call); best schedule "
-              f"{ {k: v for k, v in best.items() if k in ('block_q', 'merge', 'pingpong', 'block_n', 'warp_specialized')} } "
+              f"{ {k: v for k, v in best.items() if k in ('block_q', 'merge', 'pingpong', 'block_n')} } "
               f"{best['speedup_gpu']:.2f}x; wrappers (quantisation included) {row['speedup_wrapper_gpu']:.2f}x", flush=True)
         print(f"  fp8 vs simulation rel L2 {row['fp8_rel_l2_to_simulation']:.2e}; to exact: fp8 "
               f"{row['fp8_rel_l2_to_exact']:.2e}, bf16 {row['bf16_rel_l2_to_exact']:.2e}; top-{args.topk} overlap "

@@ -49,20 +49,14 @@ FP8_DTYPE = "float8_e4m3fn"  # torch.float8_e4m3fn: no infinities, max 448
 # --8<-- [start:indexer_fp8_kernel]
 @functools.lru_cache(maxsize=None)
 def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BLOCK_Q, pingpong: bool = False,
-                       block_n: int = BLOCK_N, merge: int = 2, warp_specialized: bool = False):
+                       block_n: int = BLOCK_N, merge: int = 2):
     """Compile the fp8 indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
 
     Kernel arguments: ``Q [T, H_I, D_I]`` e4m3, ``QS [T, H_I]`` fp32 (one scale per query head),
     ``K [S, D_I]`` e4m3, ``KS [S]`` fp32 (one scale per key), ``W [T, H_I]`` fp32, ``Starts [T]``,
     ``Ends [T]`` int32, ``Scores [T, S]`` fp32 (written in place, every entry: ``-inf`` outside the
-    query's window). The knobs are those of `dsa_ref.kernels.indexer_fwd.indexer_kernel`;
-    ``warp_specialized=True`` gives `indexer_fp8_ws_kernel` instead (four queries per block, the
-    other knobs at their defaults).
+    query's window). The knobs are those of `dsa_ref.kernels.indexer_fwd.indexer_kernel`.
     """
-    if warp_specialized:
-        if (block_q, pingpong, merge) != (BLOCK_Q, False, 2):
-            raise ValueError("warp_specialized sets its own block_q (4), merge (2) and ping-pong")
-        return indexer_fp8_ws_kernel(heads, dim, relu, block_n=block_n)
     if heads not in (16, 32, 64):
         raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
     if dim % 32:
@@ -272,133 +266,3 @@ def lightning_indexer_fp8_tilelang(q, k, weights, *, starts=None, ends=None, rel
     q8, q_scale, k8, k_scale = quantize_indexer_operands(q, k)
     return fp8_indexer_scores_tilelang(q8, q_scale, k8, k_scale, weights, starts=starts, ends=ends, relu=relu)
 # --8<-- [end:lightning_indexer_fp8_tilelang]
-
-
-# --8<-- [start:indexer_fp8_ws_kernel]
-@functools.lru_cache(maxsize=None)
-def indexer_fp8_ws_kernel(heads: int, dim: int, relu: bool = True, *, block_n: int = BLOCK_N, stages: int = 4):
-    """Compile the warp-specialised fp8 indexer: one key tile in shared memory serves four queries.
-
-    Arguments and results as for `indexer_fp8_kernel`. A block owns 4 consecutive queries and has
-    three warpgroups:
-
-    * a **producer** copies the key tiles its queries can see into a ring of ``stages`` buffers
-      (``cp.async``, 16 bytes per copy), behind ``kv_ready`` / ``kv_free`` barriers, and writes
-      ``-inf`` over the tiles no query of the block can see;
-    * **consumer c** (c = 0, 1) scores queries ``2c`` and ``2c + 1`` against each tile: one fp8
-      GEMM ``[64 keys, 2 H_I] = K_tile @ [q[2c]; q[2c + 1]]^T``, then the ReLU, the head weights,
-      the sum over heads and the store, as in `indexer_fp8_kernel` with ``merge = 2``;
-    * the consumers take turns on the tensor cores (``turn`` barriers, FlashAttention-3's
-      ping-pong): one's GEMM runs while the other's epilogue does.
-
-    Against `indexer_fp8_kernel` (two queries per key tile): each key tile is read from L2 once for
-    four queries, and the GEMMs overlap the epilogues.
-    """
-    if heads not in (16, 32, 64):
-        raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
-    if dim % 32 or block_n != 64:
-        raise ValueError(f"the warp-specialised fp8 indexer needs D_I % 32 == 0 and 64-key tiles, got {dim}, {block_n}")
-    block_q, merge = 4, 2
-    num_q, num_kv = T.dynamic("num_q"), T.dynamic("num_kv")
-    f32 = "float32"
-    chunks = block_n * dim // 16 // 128  # 16-byte copies per producer thread and tile
-
-    @T.macro
-    def consume(c, t0, n_tiles, first_tile, q_s, k_s, w_s, logits, part, row, KS, Starts, Ends, Scores,
-                q_ready, kv_ready, kv_free, turn):
-        T.set_max_nreg(216, 1)
-        T.barrier_wait(q_ready, 0)
-        for kt in T.serial(n_tiles):
-            stage = kt % stages
-            T.barrier_wait(kv_ready[stage], (kt // stages) & 1)
-            T.barrier_wait(turn[c], (kt & 1) ^ (1 - c))  # consumer 0 goes first
-            T.wgmma_gemm(k_s[stage, :, :], q_s[c * merge * heads:(c + 1) * merge * heads, :], logits, transpose_B=True,
-                         clear_accum=True)
-            T.wait_wgmma(0)
-            T.barrier_arrive(turn[1 - c])  # the other consumer's GEMM may start
-            T.barrier_arrive(kv_free[stage])
-            s0 = (first_tile + kt) * block_n
-            for j in T.unroll(merge):  # query 2c + j owns the columns j*H_I .. (j+1)*H_I - 1
-                for n, h in T.Parallel(block_n, heads):
-                    if relu:
-                        part[n, h] = T.max(logits[n, j * heads + h], 0) * w_s[c * merge + j, h]
-                    else:
-                        part[n, h] = logits[n, j * heads + h] * w_s[c * merge + j, h]
-                T.reduce_sum(part, row, dim=1)  # [block_n]: the sum over heads
-                qi = t0 + c * merge + j
-                t = T.min(qi, num_q - 1)
-                for n in T.Parallel(block_n):
-                    if qi < num_q and s0 + n < num_kv:
-                        Scores[t, s0 + n] = T.if_then_else(s0 + n >= Starts[t] and s0 + n < Ends[t],
-                                                           row[n] * KS[s0 + n], -T.infinity(f32))
-
-    @T.prim_func
-    def main(Q: T.Tensor((num_q, heads, dim), FP8_DTYPE), QS: T.Tensor((num_q, heads), f32),
-             K: T.Tensor((num_kv, dim), FP8_DTYPE), KS: T.Tensor((num_kv,), f32),
-             W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
-             Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
-        with T.Kernel(T.ceildiv(num_q, block_q), threads=384) as bx:
-            q_s = T.alloc_shared((block_q * heads, dim), FP8_DTYPE)  # query qi's heads on rows qi*H_I ...
-            k_s = T.alloc_shared((stages, block_n, dim), FP8_DTYPE)
-            w_s = T.alloc_shared((block_q, heads), f32, scope="shared")  # w * q_scale
-            logits_0 = T.alloc_fragment((block_n, merge * heads), f32)
-            logits_1 = T.alloc_fragment((block_n, merge * heads), f32)
-            part_0 = T.alloc_fragment((block_n, heads), f32)
-            part_1 = T.alloc_fragment((block_n, heads), f32)
-            row_0 = T.alloc_fragment((block_n,), f32)
-            row_1 = T.alloc_fragment((block_n,), f32)
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            q_ready = T.alloc_barrier(arrive_count=384)
-            kv_ready = T.alloc_barrier(arrive_count=[128] * stages)
-            kv_free = T.alloc_barrier(arrive_count=[256] * stages)
-            turn = T.alloc_barrier(arrive_count=[128, 128])
-            t0 = bx * block_q
-            tx = T.get_thread_binding()
-
-            lo = num_kv
-            hi = 0
-            for qi in T.serial(block_q):
-                if t0 + qi < num_q:
-                    lo = T.min(lo, Starts[t0 + qi])
-                    hi = T.max(hi, Ends[t0 + qi])
-            first_tile = lo // block_n
-            end_tile = T.max(T.ceildiv(hi, block_n), first_tile)
-            n_tiles = end_tile - first_tile
-            # the queries past the last one (a partial last block) repeat it: their columns are computed, never stored
-            for qi, h, d in T.Parallel(block_q, heads, dim):
-                q_s[qi * heads + h, d] = Q[T.min(t0 + qi, num_q - 1), h, d]
-            for qi, h in T.Parallel(block_q, heads):
-                w_s[qi, h] = T.if_then_else(t0 + qi < num_q, W[T.min(t0 + qi, num_q - 1), h] *
-                                            QS[T.min(t0 + qi, num_q - 1), h], 0)
-            T.fence_proxy_async()  # q_s is read by the tensor cores
-            T.barrier_arrive(q_ready)
-
-            if tx < 128:
-                consume(0, t0, n_tiles, first_tile, q_s, k_s, w_s, logits_0, part_0, row_0, KS, Starts, Ends, Scores,
-                        q_ready, kv_ready, kv_free, turn)
-            elif tx < 256:
-                consume(1, t0, n_tiles, first_tile, q_s, k_s, w_s, logits_1, part_1, row_1, KS, Starts, Ends, Scores,
-                        q_ready, kv_ready, kv_free, turn)
-            else:  # producer: the key tiles into the ring, then -inf over the tiles no query sees
-                T.set_max_nreg(72, 0)
-                p = tx - 256
-                for kt in T.serial(n_tiles):
-                    stage = kt % stages
-                    T.barrier_wait(kv_free[stage], ((kt // stages) & 1) ^ 1)
-                    for u in T.unroll(chunks):
-                        c16 = p + 128 * u  # 16-byte chunk: row c16 // (dim / 16), 16 channels
-                        r, col = c16 // (dim // 16), (c16 % (dim // 16)) * 16
-                        key = T.min((first_tile + kt) * block_n + r, num_kv - 1)  # rows past the end: never stored
-                        T.ptx_cp_async(T.access_ptr(k_s[stage, r, col], "w", 16),
-                                       T.access_ptr(K[key, col], "r", 16), 16)
-                    T.cp_async_barrier_noinc(kv_ready[stage])
-                for kt in T.serial(T.ceildiv(num_kv, block_n)):
-                    if kt < first_tile or kt >= end_tile:
-                        for qi, n in T.Parallel(block_q, block_n):
-                            if t0 + qi < num_q and kt * block_n + n < num_kv:
-                                Scores[t0 + qi, kt * block_n + n] = -T.infinity(f32)
-
-    return tilelang.compile(main, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
-                            target=compile_target())
-# --8<-- [end:indexer_fp8_ws_kernel]

@@ -45,8 +45,7 @@ INDEXER_SCHEDULES = [dict(merge=1, pingpong=True), dict(merge=1), dict(block_q=4
 # The fp8 indexer's (`indexer_fwd_fp8.indexer_fp8_kernel`, the same knobs) tested schedules besides its
 # default; with fp8 operands the queries of a block take half the shared memory, so more of them fit.
 # `INDEXER_FP8_TUNE` adds what benchmarks/bench_indexer_fp8.py and tune_kernels.py time besides.
-INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(block_q=4, pingpong=True),
-                         dict(warp_specialized=True)]
+INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(block_q=4, pingpong=True)]
 INDEXER_FP8_TUNE = [dict(block_q=8, pingpong=True), dict(block_n=128), dict(block_n=128, block_q=4)]  # 128-key tiles: untimed so far
 
 
