@@ -1,16 +1,21 @@
-"""The barrier protocol of the staggered sparse MLA forward, checked on the CPU.
+"""Barrier protocols of the warp-specialised kernels that have not run on a GPU yet, checked on the CPU.
 
-`staggered_kernel` (commit f532410; reverted until it has run on a GPU: `git revert 518831e` brings it
-back) synchronises a producer and two consumer warpgroups with mbarriers over half-stages of
-shared memory. This model runs the three programs as Python generators under random interleavings,
-with mbarrier semantics (arrive counts, phases, waits on a phase's parity) and a version on every
-buffer, and raises on a deadlock, on a read of a buffer that holds another pair's data, and on a
-write while a read (an issued, not yet waited-for tensor-core product) is in flight.
+Two kernels in this repository's history (compiled for sm_90a, reverted until they have run on a GPU):
 
-    python tools/probes/staggered_barrier_model.py      # n_pairs 0..6, 400 interleavings each
+* the staggered sparse MLA forward (commit f532410; `git revert 518831e` brings it back): a producer and
+  two consumer warpgroups over half-stages of shared memory, the maxima and ``P`` swapped between them;
+* the warp-specialised fp8 indexer (commit 8d897a9; `git revert 5703802`): a producer filling a ring
+  of key tiles, two consumers taking turns on the tensor cores (ping-pong).
 
-Each warpgroup's 128 arrivals count as one here. Mutations of the protocol (a half freed before its
-product is waited for, a maximum read without its barrier, one arrival too many) are caught.
+Each model runs the warpgroups' programs as Python generators under random interleavings, with
+mbarrier semantics (arrive counts, phases, waits on a phase's parity) and a version on every buffer,
+and raises on a deadlock, on a read of a buffer that holds other data, on a write while a read
+(an issued, not yet waited-for tensor-core product) is in flight, and (fp8 indexer) on both consumers
+on the tensor cores at once. Each warpgroup's 128 arrivals count as one here. Mutations of the
+protocols (a half freed before its product is waited for, a maximum read without its barrier, an
+arrival too many, a wrong turn parity) are caught.
+
+    python tools/probes/barrier_models.py
 """
 import random
 
@@ -121,7 +126,57 @@ def run(n, seed):
         if steps > 100000: raise Hazard("no end")
     return True
 
-for n in range(0, 7):
-    for seed in range(400):
-        run(n, seed)
-print("no deadlock, no hazard: n_pairs 0..6, 400 interleavings each")
+def run_fp8(n_tiles, seed, stages=4):
+    rnd = random.Random(seed)
+    q_ready = Bar(3)
+    kv_ready = [Bar(1) for _ in range(stages)]
+    kv_free = [Bar(2) for _ in range(stages)]
+    turn = [Bar(1), Bar(1)]
+    ring = [Buf(f"stage {i}") for i in range(stages)]
+    mma_busy = [None]
+
+    def wait(bar, parity):
+        while not bar.done(parity): yield "blocked"
+    def producer():
+        q_ready.arrive()
+        for kt in range(n_tiles):
+            st = kt % stages
+            yield from wait(kv_free[st], ((kt // stages) & 1) ^ 1)
+            if ring[st].readers: raise Hazard(f"tile {kt} overwrites stage {st} under a read")
+            ring[st].writing = True; yield "copy"; ring[st].writing = False; ring[st].version = kt
+            kv_ready[st].arrive(); yield "ok"
+    def consumer(c):
+        q_ready.arrive(); yield from wait(q_ready, 0)
+        for kt in range(n_tiles):
+            st = kt % stages
+            yield from wait(kv_ready[st], (kt // stages) & 1)
+            yield from wait(turn[c], (kt & 1) ^ (1 - c))
+            if ring[st].version != kt or ring[st].writing: raise Hazard(f"consumer {c} reads tile {kt}: stage holds {ring[st].version}")
+            if mma_busy[0] is not None: raise Hazard(f"both consumers on the tensor cores ({mma_busy[0]} and {c})")
+            ring[st].readers += 1; mma_busy[0] = c; yield "gemm"
+            mma_busy[0] = None; ring[st].readers -= 1
+            turn[1 - c].arrive(); kv_free[st].arrive(); yield "epilogue"
+    actors = {"p": producer(), "c0": consumer(0), "c1": consumer(1)}
+    while actors:
+        names = list(actors); rnd.shuffle(names); progressed = False
+        for nm in names:
+            try:
+                r = next(actors[nm])
+            except StopIteration:
+                del actors[nm]; progressed = True; break
+            if r != "blocked": progressed = True; break
+        if not progressed and all(next(actors[nm], "done") == "blocked" for nm in list(actors)):
+            raise Hazard(f"deadlock: {sorted(actors)}")
+
+
+
+if __name__ == "__main__":
+    for n in range(0, 7):
+        for seed in range(400):
+            run(n, seed)
+    print("staggered forward: no deadlock, no hazard for 0..6 pairs, 400 interleavings each")
+    for n in range(0, 12):
+        for seed in range(300):
+            run_fp8(n, seed)
+    print("fp8 indexer, warp-specialised: no deadlock, no hazard, never both consumers on the tensor cores, "
+          "0..11 tiles, 300 interleavings each")
