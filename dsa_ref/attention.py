@@ -38,6 +38,7 @@ from ._checks import (
     accumulation_dtype,
     check_dim,
     check_float,
+    check_int,
     check_rank,
     check_same_device,
     check_scale,
@@ -351,6 +352,10 @@ def window_span(starts: torch.Tensor, ends: torch.Tensor) -> tuple[int, int]:
 
     ``(0, 0)`` when every window is empty. One read back to the host.
     """
+    for name, w in (("starts", starts), ("ends", ends)):
+        check_int(name, w)
+        check_rank(name, w, 1, "[C]")
+    check_dim("ends", ends, 0, starts.shape[0], "one window end per start")
     nonempty = ends > starts  # [C]
     if not bool(nonempty.any()):
         return 0, 0

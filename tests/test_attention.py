@@ -298,6 +298,10 @@ def test_window_span():
     assert window_span(torch.tensor([3, 0, 5]), torch.tensor([4, 0, 9])) == (3, 9)  # the empty row is ignored
     assert window_span(torch.tensor([2, 7]), torch.tensor([2, 1])) == (0, 0)  # every window empty
     assert window_span(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == (0, 0)
+    with pytest.raises(TypeError, match="starts"):
+        window_span(torch.tensor([0.0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="ends"):
+        window_span(torch.tensor([0, 1]), torch.tensor([1]))
 
 
 def test_chunk_scores_only_the_keys_its_windows_cover(monkeypatch):
