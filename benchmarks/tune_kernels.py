@@ -29,7 +29,7 @@ VARIANTS = {
     # the default first, then every tested schedule (shapes.*_SCHEDULES)
     "indexer": [dict()] + INDEXER_SCHEDULES,
     "indexer_fp8": [dict()] + INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE,  # on prepared e4m3 operands
-    "forward": [dict()],  # the warp-specialised kernel alone (its losing knobs are gone)
+    "forward": [dict(), dict(schedule="staggered")],  # the warp-specialised kernel, then FlashMLA's scheme
     "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],
 }
@@ -43,7 +43,8 @@ def variant_builds():
     for kw in VARIANTS["indexer_fp8"]:
         jobs.append(("indexer_fp8", (H_I, D_I, True), kw))
     for kw in VARIANTS["forward"]:
-        jobs.append(("warp_specialized", (H, DIM, DIM_V, SM_SCALE), kw))
+        kw = dict(kw)
+        jobs.append((kw.pop("schedule", "warp_specialized"), (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["backward"]:
         jobs.append(("backward", (H, DIM, DIM_V, SM_SCALE), kw))
     for kw in VARIANTS["topk"]:
@@ -123,7 +124,9 @@ def tune_forward(x, reps):
     flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (DIM + DIM_V)
     rows, first = Rows(), None
     for kw in VARIANTS["forward"]:
-        kernel = _build_or_none(fwd.warp_specialized_kernel, (H, DIM, DIM_V, SM_SCALE), kw, rows, "forward")
+        build = fwd.staggered_kernel if kw.get("schedule") == "staggered" else fwd.warp_specialized_kernel
+        kernel = _build_or_none(build, (H, DIM, DIM_V, SM_SCALE), {k: v for k, v in kw.items() if k != "schedule"},
+                                rows, "forward")
         if kernel is None:
             continue
         ms = cuda_time_ms(lambda: kernel(q, kv, idx, counts), reps=reps)

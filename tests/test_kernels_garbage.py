@@ -41,7 +41,7 @@ def _indices(T, S, K, seed):
 
 
 @pytest.mark.parametrize("junk", JUNK, ids=["nan", "inf"])
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "staggered"])
 def test_sparse_mla_forward_and_backward(junk, schedule):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 

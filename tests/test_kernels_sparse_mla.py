@@ -59,13 +59,14 @@ def test_forward_messy_indices_simple(H, K):
     _check_forward(q, kv, messy_indices(203, 517, K, seed=K), "simple")
 
 
+@pytest.mark.parametrize("schedule", ["warp_specialized", "staggered"])
 @pytest.mark.parametrize("H", [64, 128])
-def test_forward_messy_indices_warp_specialized(H):
+def test_forward_messy_indices_warp_specialized(H, schedule):
     q, kv = _inputs(203, 517, H, seed=H)
-    _check_forward(q, kv, messy_indices(203, 517, TEST_TOPK, seed=3), "warp_specialized")
+    _check_forward(q, kv, messy_indices(203, 517, TEST_TOPK, seed=3), schedule)
 
 
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "staggered"])
 def test_forward_packed_and_cp_windows(schedule):
     from dsa_ref import cp_shard_index
 
@@ -186,7 +187,7 @@ def test_dispatch_auto_uses_the_kernel_and_falls_back():
         dispatch.sparse_mla(q.float(), kv.float(), idx, sm_scale=SM_SCALE, d_v=DIM_V, backend="tilelang")
 
 
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "staggered"])
 def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
     """Rows visit only their blocks up to the last valid slot; K need not be a compile-time size.
 
@@ -208,7 +209,7 @@ def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
     _check_forward(q, kv, padded, schedule)
 
 
-@pytest.mark.parametrize("schedule", ["simple", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "staggered"])
 def test_index_range_is_checked_after_the_launch_and_can_be_skipped(schedule):
     """``validate=True`` (the default) raises ValueError for an index out of range, although the
     kernel is already queued: its gathers stay inside ``kv``, so the GPU is unharmed and the next

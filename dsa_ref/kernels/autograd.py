@@ -96,9 +96,10 @@ class SparseMLAFunction(torch.autograd.Function):
 
         q, kv = q.contiguous(), with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         T, H, D = q.shape
-        if schedule == "warp_specialized" and H % 64 == 0:
+        if schedule in ("warp_specialized", "staggered") and H % 64 == 0:
             step = 2 * fwd.BLOCK_I  # one 64-row block per stage, two stages per loop step
-            kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
+            build = fwd.staggered_kernel if schedule == "staggered" else fwd.warp_specialized_kernel
+            kernel = build(H, D, d_v, float(sm_scale))
         else:
             step = fwd.BLOCK_I
             kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
@@ -138,8 +139,9 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     Args:
         q: ``[T, H, D]`` bf16 CUDA; kv: ``[S, D]`` or ``[S, 1, D]`` bf16; indices: int ``[T, K]``
             (``[T, 1, K]`` accepted), ``-1`` = unused slot.
-        schedule: ``"warp_specialized"`` (64-head blocks), ``"simple"``, or ``"auto"`` (the
-            warp-specialised one whenever ``H`` is a multiple of 64).
+        schedule: ``"warp_specialized"`` (64-head blocks), ``"staggered"`` (64-head blocks,
+            FlashMLA's scheme; `dsa_ref.kernels.sparse_mla_fwd.staggered_kernel`), ``"simple"``,
+            or ``"auto"`` (the warp-specialised one whenever ``H`` is a multiple of 64).
         validate: check that every index is ``-1`` or in ``[0, S)``, and raise ``ValueError`` if
             not. The minimum and maximum are computed on the GPU next to the kernel and read back
             after the launch: one device sync per call, which waits for the kernel, so the host

@@ -63,6 +63,7 @@ def kernel_set():
         jobs.append(("delta", (h, DIM_V)))
         if h % 64 == 0:
             jobs.append(("warp_specialized", (h, DIM, DIM_V, SM_SCALE)))
+            jobs.append(("staggered", (h, DIM, DIM_V, SM_SCALE)))
     jobs += [("backward", (128, DIM, DIM_V, SM_SCALE), kw) for kw in BACKWARD_SCHEDULES]
     jobs += [("indexer", (64, INDEXER_DIM, True), kw) for kw in INDEXER_SCHEDULES]
     for h in INDEXER_HEADS:
@@ -93,6 +94,7 @@ def build(name, args, kwargs=None):
     builders = {
         "simple": sparse_mla_fwd.simple_kernel,
         "warp_specialized": sparse_mla_fwd.warp_specialized_kernel,
+        "staggered": sparse_mla_fwd.staggered_kernel,
         "backward": sparse_mla_bwd.backward_kernel,
         "delta": sparse_mla_bwd.delta_kernel,
         "indexer": indexer_fwd.indexer_kernel,

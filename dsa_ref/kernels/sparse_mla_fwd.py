@@ -315,3 +315,259 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
 
     return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
 # --8<-- [end:warp_specialized_kernel]
+
+
+# --8<-- [start:staggered_kernel]
+@T.macro
+def copy_half(p, it, stage, right, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
+    """One half of one stage (Python ints ``stage``, ``right``): channels ``[0, half)`` (L) or
+    ``[half, D)`` (R) of the stage's 64 rows, behind its own ``kv_free`` / ``kv_ready`` barrier
+    (index ``2 * stage + right``). The L half of stage 0 and the R half of stage 1 come first, so
+    they also carry the stage's validity flags."""
+    lo, hi = (half, KV.shape[1]) if right else (0, half)
+    T.barrier_wait(kv_free[2 * stage + right], (it & 1) ^ 1)
+    for r in T.unroll(BLOCK_I // 16):
+        slot = r * 16 + p // 8
+        if right == stage:  # (0, L) and (1, R): the stage's first half
+            valid_s[stage, slot] = rows[stage, r] >= 0
+        for u in T.unroll((hi - lo) // 64):
+            col = lo + 64 * u + (p % 8) * 8
+            T.ptx_cp_async(
+                T.access_ptr(kv_s[stage, slot, col], "w", 8),
+                T.access_ptr(KV[zero_row_or(rows[stage, r], num_kv), col], "r", 8),
+                8,  # elements: 8 bf16 = one 16-byte cp.async
+            )
+    T.cp_async_barrier_noinc(kv_ready[2 * stage + right])
+
+
+@T.macro
+def gather_halves(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
+    """The producer of `staggered_kernel` (thread ``p`` of 128): each pair's two blocks, in halves.
+
+    Every stage is copied in two halves with their own barriers, in the order the consumers need
+    them: stage 0 L, stage 1 R, stage 0 R, stage 1 L. A pair's 8 row indices per thread are loaded
+    before its first copy. 16 rows at a time, 8 threads per row, 8 channels (16 bytes) per
+    ``cp.async``; a ``-1`` slot copies the zero row and is marked invalid in ``valid_s``.
+    """
+    for it in T.serial(n_pairs):
+        for stage in T.unroll(2):
+            for r in T.unroll(BLOCK_I // 16):
+                rows[stage, r] = Indices[t, (it * 2 + stage) * BLOCK_I + r * 16 + p // 8]
+        copy_half(p, it, 0, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 0, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+
+
+@functools.lru_cache(maxsize=None)
+def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
+    """Compile the staggered sparse MLA forward (64 heads per block; FlashMLA's SM90 scheme).
+
+    Arguments as for `warp_specialized_kernel` (``K`` a multiple of 128, ``NumBlocks`` counts pairs
+    of 64-slot blocks). Each pair's blocks sit in two stages; consumer ``c`` computes
+    ``S_c = Q K_c^T`` of stage ``c`` and one half of the output, ``O_L`` (consumer 0) or ``O_R``
+    (consumer 1), from *both* blocks:
+
+    * **consumer 0** exponentiates ``S_0`` with its own maximum ``m_0 = max(m, rowmax S_0)``
+      and starts ``O_L += P_0 V_0,L`` from registers at once; consumer 1 takes ``m_0``, forms the
+      pair's maximum ``m' = max(m_0, rowmax S_1)``, exponentiates ``S_1`` with it and starts
+      ``O_R += P_1 V_1,R``; consumer 0 then rescales ``P_0`` by ``exp(m_0 - m')`` (and ``O_L`` and its
+      row sum), so both halves refer to ``m'``. The two consumers' softmax steps follow each other
+      instead of running at the same time, and each one's tensor cores have work queued meanwhile.
+    * The blocks are then swapped through shared memory: ``P_0`` goes into stage 0's rope columns
+      (its ``S`` is done), ``P_1`` into a buffer of its own, and ``O_L += P_1 V_1,L``,
+      ``O_R += P_0 V_0,R``. Consumer 0 issues the next pair's ``S_0`` while its last product runs.
+    * The **producer** copies every stage in two halves (channels ``[0, 256)`` and ``[256, 576)``)
+      with their own barriers, so a half is refilled as soon as its last reader is done.
+
+    Barriers: ``kv_ready`` / ``kv_free`` per half-stage (producer <-> its consumers), ``max_ready[c]``
+    (consumer ``c``'s maximum in ``max_s[c]``), ``p_ready[c]`` (its ``P`` in shared memory),
+    ``l_ready`` (the row sums at the end). Conventions, garbage and ``-1`` handling as in
+    `warp_specialized_kernel`.
+    """
+    hb, per_query = head_blocking(heads)
+    if hb != 64:
+        raise ValueError(f"the staggered kernel needs 64-head blocks, got heads={heads}")
+    if dim - dim_v != BLOCK_I or dim_v % 128:
+        raise ValueError(f"the staggered kernel keeps P [64, 64] in the rope columns: dim - dim_v must be "
+                         f"{BLOCK_I} and dim_v a multiple of 128, got {dim}, {dim_v}")
+    half = dim_v // 2  # 256: the L half of a row is [0, 256), the R half [256, 576) with the rope part
+    scale2 = sm_scale * LOG2E
+    num_q, num_kv, topk = T.dynamic("num_q"), T.dynamic("num_kv"), T.dynamic("topk")
+    bf16, f32 = "bfloat16", "float32"
+    NEG = -(2.0**30)  # finite start for the maxima: masked -inf scores give exp2(-inf) = 0, never NaN
+
+    @T.macro
+    def init_scores(s, valid_s, stage):
+        for h, i in T.Parallel(hb, BLOCK_I):
+            s[h, i] = T.if_then_else(valid_s[stage, i], 0, -T.infinity(f32))  # -1 slots start at -inf
+
+    @T.prim_func
+    def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
+             Indices: T.Tensor((num_q, topk), "int32"), NumBlocks: T.Tensor((num_q,), "int32"),
+             Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
+        with T.Kernel(num_q * per_query, threads=384) as bx:
+            t = bx // per_query
+            h0 = (bx % per_query) * hb
+            n_pairs = NumBlocks[t]
+            q_s = T.alloc_shared((hb, dim), bf16)
+            o_s = q_s  # Q is dead after the last S: the output is staged in its place
+            kv_s = T.alloc_shared((2, BLOCK_I, dim), bf16)  # stage 0: even blocks, stage 1: odd blocks
+            p1_s = T.alloc_shared((hb, BLOCK_I), bf16)  # P_1 (P_0 lives in stage 0's rope columns)
+            valid_s = T.alloc_shared((2, BLOCK_I), "bool", scope="shared")
+            max_s = T.alloc_shared((2, hb), f32, scope="shared")
+            l_s = T.alloc_shared((2, hb), f32, scope="shared")
+            # consumer 0's registers
+            s0 = T.alloc_fragment((hb, BLOCK_I), f32)  # S_0, then P_0
+            p0 = T.alloc_fragment((hb, BLOCK_I), bf16)  # P_0 as the A operand of its product
+            o0 = T.alloc_fragment((hb, half), f32)  # O_L
+            m0, m0_prev, m0_pair = (T.alloc_fragment((hb,), f32) for _ in range(3))
+            l0, l0_blk, alpha0, f0 = (T.alloc_fragment((hb,), f32) for _ in range(4))
+            # consumer 1's registers
+            s1 = T.alloc_fragment((hb, BLOCK_I), f32)  # S_1, then P_1
+            p1 = T.alloc_fragment((hb, BLOCK_I), bf16)
+            o1 = T.alloc_fragment((hb, half), f32)  # O_R
+            m1, m1_prev, m1_peer = (T.alloc_fragment((hb,), f32) for _ in range(3))
+            l1, l1_blk, alpha1 = (T.alloc_fragment((hb,), f32) for _ in range(3))
+            rows = T.alloc_local((2, BLOCK_I // 16), "int32")  # the producer's rows of a pair
+
+            q_ready = T.alloc_barrier(arrive_count=384)
+            kv_ready = T.alloc_barrier(arrive_count=[128, 128, 128, 128])  # stage 0 L, 0 R, 1 L, 1 R
+            kv_free = T.alloc_barrier(arrive_count=[128, 128, 128, 128])
+            max_ready = T.alloc_barrier(arrive_count=[128, 128])
+            p_ready = T.alloc_barrier(arrive_count=[128, 128])
+            l_ready = T.alloc_barrier(arrive_count=256)
+
+            tx = T.get_thread_binding()
+            T.tma_copy(Q[t, h0:h0 + hb, :], q_s, barrier=q_ready)
+            T.barrier_arrive(q_ready)
+
+            if tx < 128:  # consumer 0: S_0, P_0, O_L
+                T.set_max_nreg(216, 1)
+                T.fill(l0, 0)
+                T.fill(m0, NEG)
+                T.fill(o0, 0)
+                T.barrier_wait(q_ready, 0)
+                if n_pairs > 0:  # the first pair's S_0; the later ones are issued at the end of a pair
+                    T.barrier_wait(kv_ready[0], 0)
+                    init_scores(s0, valid_s, 0)
+                    T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
+                    T.barrier_wait(kv_ready[1], 0)
+                    T.wgmma_gemm(q_s[:, half:], kv_s[0, :, half:], s0, transpose_B=True)
+                for it in T.serial(n_pairs):
+                    T.wait_wgmma(0)  # S_0 of this pair
+                    # P_0 with consumer 0's own maximum; the maximum goes to consumer 1
+                    T.copy(m0, m0_prev)
+                    T.reduce_max(s0, m0, dim=1, clear=False)
+                    T.copy(m0, max_s[0, :])
+                    T.barrier_arrive(max_ready[0])
+                    for h in T.Parallel(hb):
+                        alpha0[h] = T.exp2((m0_prev[h] - m0[h]) * scale2)
+                    for h, d in T.Parallel(hb, half):
+                        o0[h, d] = o0[h, d] * alpha0[h]
+                    for h, i in T.Parallel(hb, BLOCK_I):
+                        s0[h, i] = T.exp2(s0[h, i] * scale2 - m0[h] * scale2)
+                    T.reduce_sum(s0, l0_blk, dim=1)
+                    for h in T.Parallel(hb):
+                        l0[h] = l0[h] * alpha0[h] + l0_blk[h]
+                    T.copy(s0, p0)
+                    T.wgmma_gemm(p0, kv_s[0, :, :half], o0)  # O_L += P_0 V_0,L from registers
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(kv_free[0])  # stage 0 L is read for the last time
+                    # the pair's maximum from consumer 1: P_0, O_L and the row sum refer to it
+                    T.barrier_wait(max_ready[1], it & 1)
+                    T.copy(max_s[1, :], m0_pair)
+                    for h in T.Parallel(hb):
+                        f0[h] = T.exp2((m0[h] - m0_pair[h]) * scale2)
+                    for h, i in T.Parallel(hb, BLOCK_I):
+                        s0[h, i] = s0[h, i] * f0[h]
+                    T.copy(s0, kv_s[0, :, dim_v:])  # P_0 into stage 0's rope columns, for consumer 1
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[0])
+                    for h, d in T.Parallel(hb, half):
+                        o0[h, d] = o0[h, d] * f0[h]
+                    for h in T.Parallel(hb):
+                        l0[h] = l0[h] * f0[h]
+                    T.copy(m0_pair, m0)
+                    T.barrier_wait(p_ready[1], it & 1)
+                    T.wgmma_gemm(p1_s, kv_s[1, :, :half], o0)  # O_L += P_1 V_1,L
+                    if it + 1 < n_pairs:  # the next S_0 while that product runs
+                        T.barrier_wait(kv_ready[0], (it + 1) & 1)
+                        init_scores(s0, valid_s, 0)
+                        T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
+                        T.wait_wgmma(1)
+                        T.barrier_arrive(kv_free[2])  # stage 1 L is read for the last time
+                        T.barrier_wait(kv_ready[1], (it + 1) & 1)
+                        T.wgmma_gemm(q_s[:, half:], kv_s[0, :, half:], s0, transpose_B=True)
+                    else:
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(kv_free[2])
+                T.copy(l0, l_s[0, :])
+                T.barrier_arrive(l_ready)
+                T.barrier_wait(l_ready, 0)
+                for h in T.Parallel(hb):
+                    l0[h] = l0[h] + l_s[1, h]
+                for h, d in T.Parallel(hb, half):
+                    o0[h, d] = T.if_then_else(l0[h] > 0, o0[h, d] / l0[h], 0)
+                T.copy(o0, o_s[:, :half])
+                T.copy(o_s[:, :half], Out[t, h0:h0 + hb, :half])
+                for h in T.Parallel(hb):
+                    l0[h] = T.if_then_else(l0[h] > 0, (T.log2(l0[h]) + m0[h] * scale2) * LN2, -T.infinity(f32))
+                T.copy(l0, Lse[t, h0:h0 + hb])
+            elif tx < 256:  # consumer 1: S_1, P_1, O_R
+                T.set_max_nreg(216, 1)
+                T.fill(l1, 0)
+                T.fill(m1, NEG)
+                T.fill(o1, 0)
+                T.barrier_wait(q_ready, 0)
+                for it in T.serial(n_pairs):
+                    T.barrier_wait(kv_ready[3], it & 1)  # stage 1 R first, as the producer fills it
+                    init_scores(s1, valid_s, 1)
+                    T.wgmma_gemm(q_s[:, half:], kv_s[1, :, half:], s1, transpose_B=True)
+                    T.barrier_wait(kv_ready[2], it & 1)
+                    T.wgmma_gemm(q_s[:, :half], kv_s[1, :, :half], s1, transpose_B=True)
+                    T.wait_wgmma(0)
+                    # the pair's maximum: consumer 0's and this block's
+                    T.copy(m1, m1_prev)
+                    T.reduce_max(s1, m1, dim=1, clear=False)
+                    T.barrier_wait(max_ready[0], it & 1)
+                    T.copy(max_s[0, :], m1_peer)
+                    for h in T.Parallel(hb):
+                        m1[h] = T.max(m1[h], m1_peer[h])
+                    T.copy(m1, max_s[1, :])
+                    T.barrier_arrive(max_ready[1])
+                    for h in T.Parallel(hb):
+                        alpha1[h] = T.exp2((m1_prev[h] - m1[h]) * scale2)
+                    for h, d in T.Parallel(hb, half):
+                        o1[h, d] = o1[h, d] * alpha1[h]
+                    for h, i in T.Parallel(hb, BLOCK_I):
+                        s1[h, i] = T.exp2(s1[h, i] * scale2 - m1[h] * scale2)
+                    T.reduce_sum(s1, l1_blk, dim=1)
+                    for h in T.Parallel(hb):
+                        l1[h] = l1[h] * alpha1[h] + l1_blk[h]
+                    T.copy(s1, p1)
+                    T.wgmma_gemm(p1, kv_s[1, :, half:dim_v], o1)  # O_R += P_1 V_1,R from registers
+                    T.copy(s1, p1_s)  # P_1 for consumer 0
+                    T.barrier_wait(p_ready[0], it & 1)
+                    T.wgmma_gemm(kv_s[0, :, dim_v:], kv_s[0, :, half:dim_v], o1)  # O_R += P_0 V_0,R
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[1])
+                    T.wait_wgmma(1)
+                    T.barrier_arrive(kv_free[3])  # stage 1 R is read for the last time
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(kv_free[1])  # stage 0 R (and P_0) too
+                T.copy(l1, l_s[1, :])
+                T.barrier_arrive(l_ready)
+                T.barrier_wait(l_ready, 0)
+                for h in T.Parallel(hb):
+                    l1[h] = l1[h] + l_s[0, h]
+                for h, d in T.Parallel(hb, half):
+                    o1[h, d] = T.if_then_else(l1[h] > 0, o1[h, d] / l1[h], 0)
+                T.copy(o1, o_s[:, half:dim_v])
+                T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
+            else:  # producer
+                T.set_max_nreg(72, 0)
+                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+
+    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
+# --8<-- [end:staggered_kernel]
