@@ -34,6 +34,7 @@ BACKWARD_SCHEDULES = [
     _schedule(dkv_layout="channels", tma_reduce=True),
     _schedule(tma_reduce=True, prefetch=True),
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True),
+    {**_schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"), "batch_waits": True},
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"),
 ]
 
