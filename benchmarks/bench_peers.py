@@ -699,10 +699,11 @@ def _no_grad(fn: Callable) -> Callable:
     return run
 
 
-def _dsa_ref_sparse_fwd(x: Inputs, lib: Family) -> Bench:
+def _dsa_ref_sparse_fwd(x: Inputs, lib: Family, schedule: str = "auto") -> Bench:
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
-    run = _no_grad(lambda: sparse_mla_tilelang(x.q, x.kv, x.idx, sm_scale=x.sm_scale, d_v=x.dims.dim_v, validate=False))
+    run = _no_grad(lambda: sparse_mla_tilelang(x.q, x.kv, x.idx, sm_scale=x.sm_scale, d_v=x.dims.dim_v,
+                                               schedule=schedule, validate=False))
 
     def check():
         out, lse = run()
@@ -980,6 +981,8 @@ _BSHD = "q [1,T,H,576], kv [1,S+1,1,576] (zero row S), indices [1,T,1,K] int32 (
 IMPLS: list[Impl] = [
     Impl("dsa_ref", "dsa_ref", "sparse_fwd", "dsa_ref.kernels.autograd.sparse_mla_tilelang(q [T,H,576], kv [S,576], "
          "indices [T,K] int64 (-1 unused), sm_scale=, d_v=512, validate=False)", _dsa_ref_sparse_fwd, "dsa_ref"),
+    Impl("dsa_ref_staggered", "dsa_ref", "sparse_fwd", "the same call with schedule='staggered' (FlashMLA's scheme)",
+         functools.partial(_dsa_ref_sparse_fwd, schedule="staggered"), "dsa_ref"),
     Impl("flashmla", "flashmla", "sparse_fwd", f"mod.sparse_prefill_fwd({_FWD_THD}, sm_scale, 512, None, None) "
          "-> out, max_logits, lse", _flashmla_sparse_fwd, "flashmla_sparse_prefill"),
     Impl("megatron", "megatron", "sparse_fwd", f"ops.tilelang_sparse_mla_fwd.sparse_mla_fwd_interface({_FWD_THD}, "
