@@ -141,7 +141,10 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
             (``[T, 1, K]`` accepted), ``-1`` = unused slot.
         schedule: ``"warp_specialized"`` (64-head blocks), ``"staggered"`` (64-head blocks,
             FlashMLA's scheme; `dsa_ref.kernels.sparse_mla_fwd.staggered_kernel`), ``"simple"``,
-            or ``"auto"`` (the warp-specialised one whenever ``H`` is a multiple of 64).
+            or ``"auto"``: the staggered one whenever ``H`` is a multiple of 64 and the rope
+            columns ``D - d_v`` are exactly 64 wide and ``d_v`` a multiple of 128 (it is the fastest: 579 against 535 TFLOP/s
+            at 4096 x 8192 on an H100, `benchmarks/bench_peers.py`), else the warp-specialised one
+            for 64-head blocks, else the simple one.
         validate: check that every index is ``-1`` or in ``[0, S)``, and raise ``ValueError`` if
             not. The minimum and maximum are computed on the GPU next to the kernel and read back
             after the launch: one device sync per call, which waits for the kernel, so the host
@@ -158,7 +161,10 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     if reason is not None:
         raise ValueError(f"sparse_mla_tilelang: {reason}")
     if schedule == "auto":
-        schedule = "warp_specialized" if q.shape[1] % 64 == 0 else "simple"
+        if q.shape[1] % 64:
+            schedule = "simple"
+        else:
+            schedule = "staggered" if q.shape[2] - d_v == 64 and d_v % 128 == 0 else "warp_specialized"
     bounds = index_bounds(indices) if validate and indices.numel() else None  # [2] on the GPU, not read yet
     out, lse = SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule)
     if bounds is not None:

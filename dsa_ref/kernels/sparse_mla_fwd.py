@@ -12,13 +12,18 @@ FlashAttention's online softmax over them:
         O = O * exp(m - m_new) + P @ V_blk  [H_blk, 512]
     out = O / l;  lse = m + log(l)
 
-Two schedules of the same math:
+Three schedules of the same math:
 
 * `simple_kernel` -- every thread does everything in turn (gather, QK, softmax, PV), pipelined by
   the compiler. Easy to read.
 * `warp_specialized_kernel` -- three warpgroups: a *producer* gathers the next blocks of rows with
   asynchronous copies while *consumer 0* computes QK, the softmax and the left half of PV and
-  *consumer 1* the right half of PV, synchronised by barriers (the schedule FlashMLA uses).
+  *consumer 1* the right half of PV, synchronised by barriers.
+* `staggered_kernel` -- FlashMLA's SM90 scheme: the two consumers each own a 64-row block of a pair
+  and half of the value columns, exchange their maxima and probabilities through shared memory, and
+  overlap one block's exponentials with the other's matrix products. The default
+  (``schedule="auto"``) wherever it applies: 8 % faster than the warp-specialised one at
+  4096 x 8192 on an H100, still 8 % slower than FlashMLA's own kernel in the same run.
 
 Conventions at this boundary: indices int32, ``-1`` = unused slot, natural-log LSE, rows with no
 valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds one extra row of zeros at its end
