@@ -44,7 +44,7 @@ from .attention import dense_mla_attention
 from .config import DSAConfig
 from .fp8 import fp8_selection_operands
 from .indexer import LightningIndexer
-from .layout import key_windows, positions
+from .layout import positions_and_windows
 from .mla import MLA, check_tokens, tokens_cu_seqlens
 from .slot_path import SlotOps, attention_and_loss_on_slots
 from .streaming import streamed_topk_indices
@@ -75,8 +75,9 @@ class IndexerLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (loss,) = ctx.saved_tensors
-        scale = torch.as_tensor(ctx.scale, dtype=loss.dtype, device=loss.device)
-        return grad_output, torch.ones_like(loss) * scale, None
+        if isinstance(ctx.scale, torch.Tensor):
+            return grad_output, torch.ones_like(loss) * ctx.scale.to(dtype=loss.dtype, device=loss.device), None
+        return grad_output, torch.full_like(loss, ctx.scale), None  # a number: no copy to the device
 # --8<-- [end:autoscaler]
 
 
@@ -212,8 +213,8 @@ class DSAttention(nn.Module):
             raise ValueError("topk_indices is only for a layer built with has_indexer=False; this layer owns an "
                              "indexer and selects its own keys")
         cfg = self.config
-        pos = positions(cu_seqlens, query_index)  # [T_q]
-        starts, ends = key_windows(cu_seqlens, query_index)  # [T_q] each, in global key order
+        # [T_q] each: RoPE positions, key windows in global key order (the layout is read back once)
+        pos, starts, ends = positions_and_windows(cu_seqlens, query_index)
 
         # 1. MLA projections, absorbed: queries [T_q, H, 576], this shard's latent rows [T_q, 576]
         p = self.mla.project(x, pos)
@@ -268,8 +269,8 @@ class DSAttention(nn.Module):
                        gather, stage: str, topk_indices: torch.Tensor | None) -> DSAOutput:
         """`attend` for a layer without an indexer: attention over another layer's top-k, no indexer loss."""
         cfg = self.config
-        pos = positions(cu_seqlens, query_index)  # [T_q]
-        starts, ends = key_windows(cu_seqlens, query_index)  # [T_q] each, in global key order
+        # [T_q] each: RoPE positions, key windows in global key order (the layout is read back once)
+        pos, starts, ends = positions_and_windows(cu_seqlens, query_index)
         topk = check_shared_topk(topk_indices, starts, ends)  # [T_q, K]
         p = self.mla.project(x, pos)
         q, kv_local = self.absorbed.absorbed_qkv(p)  # [T_q, H, 576], [T_q, 576]

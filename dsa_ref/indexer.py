@@ -23,6 +23,8 @@ Then each query keeps the ``topk`` highest-scoring keys of its window (`topk_ind
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,9 +67,15 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device=None) 
     return (h / n ** 0.5).to(dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=16)
+def _hadamard_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`hadamard_matrix` built once per ``(n, dtype, device)``: a layer step copies nothing to the device."""
+    return hadamard_matrix(n, dtype=dtype, device=device)
+
+
 def rotate_activation(x: torch.Tensor) -> torch.Tensor:
     """Multiply the last dim of ``x`` by the orthonormal Hadamard matrix (``[..., d] -> [..., d]``)."""
-    h = hadamard_matrix(x.shape[-1], dtype=accumulation_dtype(x), device=x.device)
+    h = _hadamard_on(x.shape[-1], accumulation_dtype(x), x.device)  # [d, d], shared: never written
     return (x.to(h.dtype) @ h).to(x.dtype)
 
 
@@ -106,7 +114,7 @@ class LightningIndexer(nn.Module):
         """RoPE on the first ``rope_head_dim`` channels of ``[T, ..., D_I]`` (pe first, then nope)."""
         ic = self.config.indexer
         x_pe, x_nope = x.split([ic.rope_head_dim, ic.head_dim - ic.rope_head_dim], dim=-1)
-        inv_freq = rope_inv_freq(ic.rope_head_dim, self.config.mla.rope)  # float64, never rounded by .to()
+        inv_freq = rope_inv_freq(ic.rope_head_dim, self.config.mla.rope, device=pos.device)  # float64, never rounded
         cos, sin = rope_cos_sin(pos, inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
         x_pe = apply_rope(x_pe, cos, sin, interleaved=ic.rope_interleaved)
         return torch.cat([x_pe, x_nope], dim=-1)  # [T, ..., D_I]

@@ -24,18 +24,50 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> torc
     """Validate ``cu_seqlens`` and return it as int64.
 
     It must be a 1-D integer tensor with at least two entries, starting at 0 and non-decreasing
-    (zero-length sequences are allowed).
+    (zero-length sequences are allowed). One read back to the host (a device sync on the GPU).
+    """
+    cu, _, _ = checked_layout(cu_seqlens, name=name)
+    return cu
+
+
+def checked_layout(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = None, *,
+                   name: str = "cu_seqlens") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`check_cu_seqlens` and the check of ``query_index`` with **one** read back to the host.
+
+    A layer step reads its layout once: every check of ``cu_seqlens`` and of the queries' indices is
+    one small tensor brought back together, so the GPU is not left idle once per check.
+
+    Args:
+        cu_seqlens: int ``[num_seqs + 1]``.
+        query_index: optional int ``[T_q]`` global packed indices; default all ``T`` tokens in order.
+
+    Returns:
+        ``(cu, idx, T)``: ``cu_seqlens`` as int64, ``query_index`` as int64 on ``cu``'s device
+        (``arange(T)`` by default), and the total token count ``T = cu[-1]`` as a Python int.
     """
     check_int(name, cu_seqlens)
     check_rank(name, cu_seqlens, 1, "[num_seqs + 1]")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must have at least 2 entries [0, ..., T], got {cu_seqlens.tolist()}")
     cu = cu_seqlens.long()
-    if int(cu[0]) != 0:
+    parts = [cu[0], cu[-1], (cu[1:] < cu[:-1]).any().long()]
+    if query_index is not None:
+        check_int("query_index", query_index)
+        check_rank("query_index", query_index, 1, "[T_q]")
+        query_index = query_index.long().to(cu.device)
+        if query_index.numel():
+            parts += [query_index.min(), query_index.max()]
+    values = torch.stack(parts).tolist()  # the one read back
+    first, total, decreasing = values[:3]
+    if first != 0:
         raise ValueError(f"{name} must start at 0, got {cu.tolist()[:8]}")
-    if bool((cu[1:] < cu[:-1]).any()):
+    if decreasing:
         raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()[:16]}")
-    return cu
+    if query_index is None:
+        return cu, torch.arange(total, dtype=torch.int64, device=cu.device), total
+    if len(values) > 3 and (values[3] < 0 or values[4] >= total):
+        raise ValueError(f"query_index values must lie in [0, T={total}), got range [{values[3]}, {values[4]}]")
+    return cu, query_index, total
 
 
 def one_sequence(num_tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -53,8 +85,7 @@ def sequence_ids(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = No
     Returns:
         int64 ``[T_q]``: the sequence number of each token.
     """
-    cu = check_cu_seqlens(cu_seqlens)
-    idx = _query_index(cu, query_index)
+    cu, idx, _ = checked_layout(cu_seqlens, query_index)
     # a token at global index i belongs to the last sequence whose start is <= i;
     # right=True skips zero-length sequences that start at the same place
     return torch.searchsorted(cu[1:], idx, right=True)  # [T_q]
@@ -74,9 +105,12 @@ def key_windows(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = Non
         ``(starts, ends)``, int64 ``[T_q]`` each: query ``t`` sees keys ``starts[t] <= s < ends[t]``,
         i.e. from the start of its own sequence up to and including itself.
     """
-    cu = check_cu_seqlens(cu_seqlens)
-    idx = _query_index(cu, query_index)
-    seq = torch.searchsorted(cu[1:], idx, right=True)  # [T_q]
+    cu, idx, _ = checked_layout(cu_seqlens, query_index)
+    return _windows(cu, idx)
+
+
+def _windows(cu: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = torch.searchsorted(cu[1:], idx, right=True)  # [T_q]: the last sequence starting at or before idx
     starts = cu[seq]  # [T_q]
     ends = idx + 1  # [T_q]
     return starts, ends
@@ -93,10 +127,20 @@ def positions(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = None)
     Returns:
         int64 ``[T_q]``.
     """
-    cu = check_cu_seqlens(cu_seqlens)
-    idx = _query_index(cu, query_index)
-    starts, _ = key_windows(cu, idx)
-    return idx - starts
+    pos, _, _ = positions_and_windows(cu_seqlens, query_index)
+    return pos
+
+
+def positions_and_windows(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`positions` and `key_windows` together, checking the layout once (one read back to the host).
+
+    Returns:
+        ``(positions, starts, ends)``, int64 ``[T_q]`` each.
+    """
+    cu, idx, _ = checked_layout(cu_seqlens, query_index)
+    starts, ends = _windows(cu, idx)  # [T_q] each
+    return idx - starts, starts, ends
 
 
 # --8<-- [start:cp_shard_index]
@@ -159,17 +203,3 @@ def window_mask(starts: torch.Tensor, ends: torch.Tensor, num_keys: int) -> torc
     check_nonnegative_int("num_keys", num_keys)
     s = torch.arange(num_keys, device=starts.device)  # [S]
     return (s[None, :] >= starts[:, None]) & (s[None, :] < ends[:, None])  # [T, S]
-
-
-def _query_index(cu: torch.Tensor, query_index: torch.Tensor | None) -> torch.Tensor:
-    total = int(cu[-1])
-    if query_index is None:
-        return torch.arange(total, dtype=torch.int64, device=cu.device)
-    check_int("query_index", query_index)
-    check_rank("query_index", query_index, 1, "[T_q]")
-    if query_index.numel() and (int(query_index.min()) < 0 or int(query_index.max()) >= total):
-        raise ValueError(
-            f"query_index values must lie in [0, T={total}), got range "
-            f"[{int(query_index.min())}, {int(query_index.max())}]"
-        )
-    return query_index.long().to(cu.device)

@@ -25,7 +25,7 @@ from torch import nn
 from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_tensor
 from .attention import dense_mla_attention, windowed_attention
 from .config import MLAConfig
-from .layout import check_cu_seqlens, key_windows, one_sequence, positions
+from .layout import checked_layout, key_windows, one_sequence, positions
 from .rope import apply_rope, rope_cos_sin, rope_dtype_for, rope_inv_freq
 
 __all__ = ["RMSNorm", "MLA", "MLAProjections", "dense_mla_attention", "check_tokens"]
@@ -124,7 +124,7 @@ class MLA(nn.Module):
         c_kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [T, r], [T, rope]
         c_kv = self.kv_norm(c_kv)  # [T, r]
         # frequencies in float64 from the config, never a module buffer that .to(bfloat16) would round
-        inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope)  # [rope/2]
+        inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope, device=pos.device)  # [rope/2]
         cos, sin = rope_cos_sin(pos, inv_freq, dtype=rope_dtype_for(x))  # [T, rope/2] each
         q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope_interleaved)  # [T, H, rope]
         k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope_interleaved)  # [T, rope]
@@ -185,7 +185,8 @@ def tokens_cu_seqlens(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch
     check_tensor("x", x)
     if cu_seqlens is None:
         return one_sequence(x.shape[0], device=x.device)
-    cu = check_cu_seqlens(cu_seqlens).to(x.device)
-    if int(cu[-1]) != x.shape[0]:
+    cu, _, total = checked_layout(cu_seqlens)  # one read back to the host
+    cu = cu.to(x.device)
+    if total != x.shape[0]:
         raise ValueError(f"cu_seqlens must end at T={x.shape[0]} (the tokens of x), got {cu.tolist()[-4:]}")
     return cu

@@ -18,6 +18,7 @@ YaRN (used by DeepSeek-V3.2 to reach 128K from 4K pre-training) divides the low 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,17 +27,32 @@ from ._checks import check_float, check_int, check_rank, check_tensor
 from .config import RopeConfig
 
 
-def rope_inv_freq(rope_dim: int, rope: RopeConfig, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def rope_inv_freq(rope_dim: int, rope: RopeConfig, *, dtype: torch.dtype = torch.float64,
+                  device: torch.device | str | None = None) -> torch.Tensor:
     """The rotation frequency of each channel pair, YaRN-interpolated when ``rope.factor > 1``.
 
     Args:
         rope_dim: number of rotated channels (even); there are ``rope_dim // 2`` pairs.
         rope: RoPE/YaRN settings.
         dtype: dtype of the result.
+        device: where the result lives (default the CPU, where it is computed). On an accelerator
+            the copy is made once per ``(rope_dim, rope, dtype, device)`` and shared by later calls
+            (a layer step then copies nothing to the device): do not modify it in place.
 
     Returns:
         ``inv_freq`` of shape ``[rope_dim // 2]``.
     """
+    if device is not None and torch.device(device).type != "cpu":
+        return _inv_freq_on(rope_dim, rope, dtype, torch.device(device))
+    return _inv_freq(rope_dim, rope, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(rope_dim: int, rope: RopeConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _inv_freq(rope_dim, rope, dtype).to(device)
+
+
+def _inv_freq(rope_dim: int, rope: RopeConfig, dtype: torch.dtype) -> torch.Tensor:
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(f"rope_dim must be an even number >= 2, got {rope_dim}")
     pair = torch.arange(0, rope_dim, 2, dtype=torch.float64)  # [d/2]

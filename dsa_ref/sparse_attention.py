@@ -124,8 +124,11 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, sm_s
 # --8<-- [end:sparse_mla]
 
 
-def check_head_sum_inputs(q, kv, indices, lse, sm_scale):
-    """Validate `attention_head_sum`'s inputs; returns ``(kv [S, D], indices [T, K], sm_scale)``."""
+def check_head_sum_inputs(q, kv, indices, lse, sm_scale, *, check_values: bool = True):
+    """Validate `attention_head_sum`'s inputs; returns ``(kv [S, D], indices [T, K], sm_scale)``.
+
+    ``check_values=False`` checks the indices' shape only, not that their values lie in ``[-1, S)``
+    (that check reads them back: one device sync)."""
     kv = check_latent_operands(q, kv)  # [S, D]
     check_float("lse", lse)
     check_rank("lse", lse, 2, "[T, H]")
@@ -133,7 +136,7 @@ def check_head_sum_inputs(q, kv, indices, lse, sm_scale):
     T, H, D = q.shape
     check_dim("lse", lse, 0, T, "one row per query")
     check_dim("lse", lse, 1, H, "one LSE per head")
-    indices = check_indices(indices, T, kv.shape[0])
+    indices = check_indices(indices, T, kv.shape[0]) if check_values else check_index_shape(indices, T)
     return kv, indices, check_scale("sm_scale", sm_scale)
 
 

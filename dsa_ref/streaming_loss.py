@@ -75,7 +75,7 @@ def block_plan(starts: torch.Tensor, ends: torch.Tensor, *, query_chunk: int, ke
     row are left out. Computed on the host from one copy of the windows.
     """
     chunks = row_chunks(starts.numel(), query_chunk)
-    st, en = starts.cpu(), ends.cpu()
+    st, en = torch.stack([starts, ends]).cpu()  # one read back: [T] each
     plan = []
     for (a, b), (lo, hi) in zip(chunks, chunk_key_ranges(st, en, chunks)):
         for t0 in range(lo, hi, key_tile):

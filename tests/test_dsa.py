@@ -203,11 +203,12 @@ def test_loss_scale(stage):
     torch.testing.assert_close(out2.output, out.output, rtol=0, atol=0)
 
 
-def test_auto_scaler_function():
+@pytest.mark.parametrize("scale", [3.0, 3, torch.tensor(3.0), torch.tensor(3.0, dtype=torch.float64)])
+def test_auto_scaler_function(scale):
     out = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, dtype=torch.float64, requires_grad=True)
     loss = (w ** 2).sum()
-    y = IndexerLossAutoScaler.apply(out, loss, 3.0)
+    y = IndexerLossAutoScaler.apply(out, loss, scale)
     torch.testing.assert_close(y, out, rtol=0, atol=0)
     g = torch.randn(3, 4, dtype=torch.float64)
     y.backward(g)

@@ -278,3 +278,22 @@ def test_with_the_kernels_lse_gives_the_indexer_target():
     starts, ends = (w.cuda() for w in key_windows(cu))
     expected = indexer_target(q.double(), kv.double(), sm_scale=SM_SCALE, starts=starts, ends=ends, topk_indices=idx)
     assert rel_l2(dense[:, :S], expected) < 2e-3
+
+
+@pytest.mark.gpu
+@requires_kernels
+def test_validate_false_skips_the_range_check_only():
+    """``validate=False`` (the layer's own slots) gives bit-identical results on valid indices;
+    the default raises ValueError for an index out of range."""
+    from dsa_ref.kernels.attention_target import attention_head_sum_tilelang
+
+    q, kv = _inputs(97, 300, 64, seed=5)
+    idx = messy_indices(97, 300, 128, seed=5)
+    _, lse = sparse_mla(q.double(), kv.double(), idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    checked = attention_head_sum_tilelang(q, kv, idx, lse.float(), sm_scale=SM_SCALE)
+    unchecked = attention_head_sum_tilelang(q, kv, idx, lse.float(), sm_scale=SM_SCALE, validate=False)
+    assert torch.equal(checked, unchecked)
+    bad = idx.clone()
+    bad[4, 0] = 300
+    with pytest.raises(ValueError, match=r"values must be -1 \(unused slot\) or in \[0, num_keys=300\)"):
+        attention_head_sum_tilelang(q, kv, bad, lse.float(), sm_scale=SM_SCALE)

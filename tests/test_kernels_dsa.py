@@ -66,17 +66,21 @@ def test_dsattention_tilelang_takes_the_slot_path_and_the_topk_kernel(monkeypatc
                             q_i=torch.zeros(4, 16, 128, device="cuda", dtype=torch.bfloat16),
                             k_i=torch.zeros(8, 128, device="cuda", dtype=torch.bfloat16),
                             w_i=torch.zeros(4, 16, device="cuda"))
-    assert ops is not None and ops.sparse_mla.__module__.startswith("dsa_ref.kernels")
-    # the layer's own slots skip the attention's index check (and its sync); the default keeps it
+    assert ops is not None and ops.sparse_mla.func.__module__.startswith("dsa_ref.kernels")
+    # the layer's own slots skip the index checks (and their syncs); the default keeps them
+    from dsa_ref.kernels.attention_target import attention_head_sum_tilelang
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
+    from dsa_ref.kernels.indexer_bwd import index_scores_at_tilelang
 
     unchecked = dispatch.slot_ops("tilelang", q=torch.zeros(4, 16, 576, device="cuda", dtype=torch.bfloat16),
                                   kv=torch.zeros(8, 576, device="cuda", dtype=torch.bfloat16),
                                   q_i=torch.zeros(4, 16, 128, device="cuda", dtype=torch.bfloat16),
                                   k_i=torch.zeros(8, 128, device="cuda", dtype=torch.bfloat16),
                                   w_i=torch.zeros(4, 16, device="cuda"), validate=False)
-    assert ops.sparse_mla is sparse_mla_tilelang
-    assert unchecked.sparse_mla.func is sparse_mla_tilelang and unchecked.sparse_mla.keywords == {"validate": False}
+    for name, fn in (("sparse_mla", sparse_mla_tilelang), ("attention_head_sum", attention_head_sum_tilelang),
+                     ("index_scores_at", index_scores_at_tilelang)):
+        assert getattr(ops, name).func is fn and getattr(ops, name).keywords == {"validate": True}
+        assert getattr(unchecked, name).func is fn and getattr(unchecked, name).keywords == {"validate": False}
     calls = []
     real_topk = kernels.topk_indices
     monkeypatch.setattr(kernels, "topk_indices", lambda *a, **k: calls.append("topk") or real_topk(*a, **k))

@@ -295,3 +295,26 @@ def test_no_queries_and_validation():
         index_scores_at_tilelang(q, k, w, idx + 10)
     with pytest.raises(ValueError, match="one row per query"):
         index_scores_at_tilelang(q, k, w, idx[:3])
+
+
+@gpu
+def test_validate_false_skips_the_range_check_only():
+    """``validate=False`` (the layer's own slots) gives bit-identical scores and the same gradients on
+    valid indices; the default raises ValueError for an index out of range."""
+    from dsa_ref.kernels.indexer_bwd import index_scores_at_tilelang
+
+    q, k, w = _inputs(97, 300, 64, seed=6)
+    idx = messy_indices(97, 300, 128, seed=6)
+    results = []
+    for validate in (True, False):
+        qq, kk, ww = (t.detach().clone().requires_grad_(True) for t in (q, k, w))
+        scores = index_scores_at_tilelang(qq, kk, ww, idx, validate=validate)
+        torch.where(torch.isfinite(scores), scores, 0).sum().backward()
+        results.append((scores, qq.grad, kk.grad, ww.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1:], results[1][1:]):  # the key gradient adds atomically: order may differ
+        assert rel_l2(a, b) < 1e-3
+    bad = idx.clone()
+    bad[4, 0] = 300
+    with pytest.raises(ValueError, match=r"values must be -1 \(unused slot\) or in \[0, num_keys=300\)"):
+        index_scores_at_tilelang(q, k, w, bad)

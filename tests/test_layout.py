@@ -8,10 +8,12 @@ import torch
 
 from dsa_ref.layout import (
     check_cu_seqlens,
+    checked_layout,
     cp_shard_index,
     key_windows,
     one_sequence,
     positions,
+    positions_and_windows,
     sequence_ids,
     window_mask,
 )
@@ -255,7 +257,7 @@ def test_check_cu_seqlens_returns_int64():
     assert out.dtype == torch.int64 and out.tolist() == [0, 2, 2, 5]
 
 
-@pytest.mark.parametrize("fn", [key_windows, positions, sequence_ids])
+@pytest.mark.parametrize("fn", [key_windows, positions, sequence_ids, positions_and_windows, checked_layout])
 @pytest.mark.parametrize("qi", [[-1], [5], [0, 7], [2, 100]])
 def test_query_index_out_of_range(fn, qi):
     with pytest.raises(ValueError, match=r"query_index values must lie in \[0, T=5\)"):
@@ -268,3 +270,28 @@ def test_query_index_bad_type_or_rank(fn):
         fn(cu(2, 3), torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="query_index"):
         fn(cu(2, 3), torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("query_index", [None, [4, 0, 2], [], [6, 6]])
+def test_positions_and_windows_is_both_functions(query_index):
+    """One check of the layout gives what `positions` and `key_windows` give separately."""
+    c = cu(3, 0, 4)
+    qi = None if query_index is None else torch.tensor(query_index, dtype=torch.int64)
+    pos, starts, ends = positions_and_windows(c, qi)
+    want_starts, want_ends = key_windows(c, qi)
+    assert torch.equal(pos, positions(c, qi)) and torch.equal(starts, want_starts) and torch.equal(ends, want_ends)
+    cu64, idx, total = checked_layout(c.to(torch.int32), qi)
+    assert cu64.dtype == torch.int64 and total == 7 and idx.dtype == torch.int64
+    assert idx.tolist() == (list(range(7)) if qi is None else query_index)
+
+
+def test_checked_layout_reads_back_once(monkeypatch):
+    """The checks of cu_seqlens and query_index are one read back to the host (a sync on a GPU)."""
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or original(self))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("item() on the layout path"))
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("int() on the layout path"))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("bool() on the layout path"))
+    positions_and_windows(cu(3, 4), torch.tensor([1, 6]))
+    assert len(reads) == 1

@@ -320,3 +320,15 @@ def test_rope_cos_sin_bad_positions():
 def test_rope_inv_freq_bad_dim(d):
     with pytest.raises(ValueError, match="rope_dim"):
         rope_inv_freq(d, PLAIN)
+
+
+def test_inv_freq_on_a_device_is_made_once_and_equals_the_cpu_one():
+    """With ``device=``, the frequencies are copied to the device once and shared (no copy per step)."""
+    cfg = deepseek_v32().mla
+    first = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, device="meta")
+    again = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, device=torch.device("meta"))
+    assert first is again and first.device.type == "meta" and first.shape == (cfg.qk_rope_head_dim // 2,)
+    cpu = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, device="cpu")
+    assert torch.equal(cpu, rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope)) and cpu.dtype == torch.float64
+    with pytest.raises(ValueError, match="rope_dim must be an even number"):
+        rope_inv_freq(3, cfg.rope, device="meta")

@@ -76,9 +76,10 @@ def topk_indices(scores, topk):
 def slot_ops(q, kv, q_i, k_i, w_i, d_v=512, *, validate=True):
     """The kernels of `dsa_ref.slot_path` as a `SlotOps`, or ``None`` if one of them declines.
 
-    ``validate=False``: the attention skips its check that every slot is ``-1`` or in ``[0, S)``
-    (and the device sync the check costs), for slots in range by construction, such as the
-    layer's own selection and window slots (`sparse_mla_tilelang`'s ``validate``).
+    ``validate=False``: the attention, the attention target and the index scores at the slots skip
+    their checks that every slot is ``-1`` or in ``[0, S)`` (and the device sync each check costs),
+    for slots in range by construction, such as the layer's own selection and window slots
+    (`sparse_mla_tilelang`'s ``validate``).
     """
     from ..slot_path import SlotOps
     from .attention_target import attention_head_sum_supported, attention_head_sum_tilelang
@@ -93,9 +94,10 @@ def slot_ops(q, kv, q_i, k_i, w_i, d_v=512, *, validate=True):
                index_scores_at_supported(q_i, k_i, w_i, probe_idx))
     if any(r is not None for r in reasons):
         return None
-    attend = sparse_mla_tilelang if validate else functools.partial(sparse_mla_tilelang, validate=False)
-    return SlotOps(sparse_mla=attend, attention_head_sum=attention_head_sum_tilelang,
-                   index_scores_at=index_scores_at_tilelang, indexer_loss_on_slots=indexer_loss_on_slots_tilelang)
+    return SlotOps(sparse_mla=functools.partial(sparse_mla_tilelang, validate=validate),
+                   attention_head_sum=functools.partial(attention_head_sum_tilelang, validate=validate),
+                   index_scores_at=functools.partial(index_scores_at_tilelang, validate=validate),
+                   indexer_loss_on_slots=indexer_loss_on_slots_tilelang)
 # --8<-- [end:decline]
 
 

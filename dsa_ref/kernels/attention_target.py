@@ -152,7 +152,7 @@ def attention_head_sum_supported(q, kv, indices, lse) -> str | None:
 
 
 # --8<-- [start:attention_head_sum_tilelang]
-def attention_head_sum_tilelang(q, kv, indices, lse, *, sm_scale) -> torch.Tensor:
+def attention_head_sum_tilelang(q, kv, indices, lse, *, sm_scale, validate=True) -> torch.Tensor:
     """The main attention's probabilities at the selected slots, summed over heads, on TileLang.
 
     ``out[t, i] = sum_h exp(sm_scale * q[t, h] . kv[indices[t, i]] - lse[t, h])`` for valid slots;
@@ -167,11 +167,14 @@ def attention_head_sum_tilelang(q, kv, indices, lse, *, sm_scale) -> torch.Tenso
         lse: float ``[T, H]`` natural-log LSE of this very attention, as `dsa_ref.sparse_mla`
             returns it (``-inf`` for rows with no valid slot).
         sm_scale: the attention's softmax scale.
+        validate: check that every index is ``-1`` or in ``[0, S)`` (one device sync); ``False``
+            skips it for slots in range by construction (out-of-range values are then undefined
+            behaviour), as `sparse_mla_tilelang`'s ``validate``.
 
     Returns:
         ``[T, K]`` float32.
     """
-    kv, indices, sm_scale = check_head_sum_inputs(q, kv, indices, lse, sm_scale)  # as the reference
+    kv, indices, sm_scale = check_head_sum_inputs(q, kv, indices, lse, sm_scale, check_values=validate)
     reason = attention_head_sum_supported(q, kv, indices, lse)
     if reason is not None:
         raise ValueError(f"attention_head_sum_tilelang: {reason}")

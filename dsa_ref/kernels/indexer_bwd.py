@@ -58,7 +58,7 @@ import torch
 
 from .._checks import check_same_device
 from ..indexer import _check_indexer_operands
-from ..sparse_attention import check_indices
+from ..sparse_attention import check_index_shape, check_indices
 from ._target import compile_target
 from .autograd import _block_counts, with_zero_row
 from .sparse_mla_fwd import zero_row_or
@@ -298,7 +298,7 @@ class SelectedIndexScores(torch.autograd.Function):
 
 
 # --8<-- [start:index_scores_at_tilelang]
-def index_scores_at_tilelang(q, k, weights, indices, *, relu=True):
+def index_scores_at_tilelang(q, k, weights, indices, *, relu=True, validate=True):
     """Index scores at the selected keys on TileLang, differentiable in ``q``, ``k`` and ``weights``.
 
     ``scores[t, i] = sum_j weights[t, j] * relu(q[t, j] . k[indices[t, i]])``, ``-inf`` at ``-1``
@@ -311,6 +311,9 @@ def index_scores_at_tilelang(q, k, weights, indices, *, relu=True):
         indices: int ``[T, K]`` (``[T, 1, K]`` accepted), values in ``[-1, S)``, ``-1`` = unused slot;
             any ``K >= 1``.
         relu: apply the ReLU (DeepSeek-V3.2: yes).
+        validate: check that every index is ``-1`` or in ``[0, S)`` (one device sync); ``False``
+            skips it for slots in range by construction (out-of-range values are then undefined
+            behaviour), as `sparse_mla_tilelang`'s ``validate``.
 
     Returns:
         ``scores [T, K]`` float32. Gradients: ``q`` and ``k`` in bf16, ``weights`` in its dtype;
@@ -321,7 +324,7 @@ def index_scores_at_tilelang(q, k, weights, indices, *, relu=True):
         raise ValueError(f"index_scores_at_tilelang: {reason}")
     T, _ = _check_indexer_operands(q, k, weights)  # the reference's checks
     check_same_device(q=q, k=k, weights=weights, indices=indices)
-    indices = check_indices(indices, T, k.shape[0])
+    indices = check_indices(indices, T, k.shape[0]) if validate else check_index_shape(indices, T)
     if not isinstance(relu, bool):
         raise TypeError(f"relu must be a bool, got {type(relu).__name__}")
     return SelectedIndexScores.apply(q, k, weights, indices, relu)
