@@ -26,7 +26,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> torc
     It must be a 1-D integer tensor with at least two entries, starting at 0 and non-decreasing
     (zero-length sequences are allowed). One read back to the host (a device sync on the GPU).
     """
-    cu, _, _ = checked_layout(cu_seqlens, name=name)
+    cu, _, _ = _read_layout(cu_seqlens, None, name)
     return cu
 
 
@@ -45,6 +45,15 @@ def checked_layout(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = 
         ``(cu, idx, T)``: ``cu_seqlens`` as int64, ``query_index`` as int64 on ``cu``'s device
         (``arange(T)`` by default), and the total token count ``T = cu[-1]`` as a Python int.
     """
+    cu, query_index, total = _read_layout(cu_seqlens, query_index, name)
+    if query_index is None:
+        query_index = torch.arange(total, dtype=torch.int64, device=cu.device)  # [T]
+    return cu, query_index, total
+
+
+def _read_layout(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None, name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The checks of `checked_layout` in one read back; ``query_index`` stays ``None`` if not given."""
     check_int(name, cu_seqlens)
     check_rank(name, cu_seqlens, 1, "[num_seqs + 1]")
     if cu_seqlens.numel() < 2:
@@ -63,8 +72,6 @@ def checked_layout(cu_seqlens: torch.Tensor, query_index: torch.Tensor | None = 
         raise ValueError(f"{name} must start at 0, got {cu.tolist()[:8]}")
     if decreasing:
         raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()[:16]}")
-    if query_index is None:
-        return cu, torch.arange(total, dtype=torch.int64, device=cu.device), total
     if len(values) > 3 and (values[3] < 0 or values[4] >= total):
         raise ValueError(f"query_index values must lie in [0, T={total}), got range [{values[3]}, {values[4]}]")
     return cu, query_index, total

@@ -25,7 +25,7 @@ from torch import nn
 from ._checks import accumulation_dtype, check_dim, check_float, check_int, check_rank, check_tensor
 from .attention import dense_mla_attention, windowed_attention
 from .config import MLAConfig
-from .layout import checked_layout, key_windows, one_sequence, positions
+from .layout import _read_layout, key_windows, one_sequence, positions
 from .rope import apply_rope, rope_cos_sin, rope_dtype_for, rope_inv_freq
 
 __all__ = ["RMSNorm", "MLA", "MLAProjections", "dense_mla_attention", "check_tokens"]
@@ -185,7 +185,7 @@ def tokens_cu_seqlens(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch
     check_tensor("x", x)
     if cu_seqlens is None:
         return one_sequence(x.shape[0], device=x.device)
-    cu, _, total = checked_layout(cu_seqlens)  # one read back to the host
+    cu, _, total = _read_layout(cu_seqlens, None, "cu_seqlens")  # one read back to the host
     cu = cu.to(x.device)
     if total != x.shape[0]:
         raise ValueError(f"cu_seqlens must end at T={x.shape[0]} (the tokens of x), got {cu.tolist()[-4:]}")
