@@ -29,8 +29,7 @@ VARIANTS = {
     # the default first, then every tested schedule (shapes.*_SCHEDULES)
     "indexer": [dict()] + INDEXER_SCHEDULES,
     "indexer_fp8": [dict()] + INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE,  # on prepared e4m3 operands
-    # the warp-specialised kernel, then FlashMLA's scheme with each of its gather copies
-    "forward": [dict()] + [dict(schedule="staggered", gather=g) for g in ("plain", "prefetch_256", "evict_last")],
+    "forward": [dict(), dict(schedule="staggered")],  # the warp-specialised kernel, then FlashMLA's scheme
     "backward": [dict()] + BACKWARD_SCHEDULES,
     "topk": [dict(), dict(threads=512), dict(threads=1024)],
 }

@@ -80,34 +80,6 @@ def test_forward_packed_and_cp_windows(schedule):
                    schedule)
 
 
-@pytest.mark.parametrize("gather", ["prefetch_256", "evict_last"])
-def test_staggered_gather_hints_change_nothing(gather):
-    """The L2 hints of the staggered kernel's copies move the same bytes: outputs equal the plain
-    copy's bit for bit (and so the reference), on messy indices with -1 slots and duplicates."""
-    from dsa_ref.kernels import sparse_mla_fwd as fwd
-    from dsa_ref.kernels.autograd import _block_counts, _pad_indices, with_zero_row
-
-    T, S, H = 203, 517, 128
-    q, kv = _inputs(T, S, H, seed=21)
-    idx = messy_indices(T, S, TEST_TOPK, seed=21)
-    idx32 = _pad_indices(idx, 2 * fwd.BLOCK_I).to(torch.int32).contiguous()
-    counts = _block_counts(idx32, 2 * fwd.BLOCK_I)
-    kv0 = with_zero_row(kv)
-    plain = fwd.staggered_kernel(H, DIM, DIM_V, SM_SCALE)(q, kv0, idx32, counts)
-    hinted = fwd.staggered_kernel(H, DIM, DIM_V, SM_SCALE, gather=gather)(q, kv0, idx32, counts)
-    assert torch.equal(plain[0], hinted[0]) and torch.equal(plain[1], hinted[1])
-    ref_out, _ = sparse_mla(q.double(), kv.double(), idx, sm_scale=SM_SCALE, d_v=DIM_V)
-    live = ~(idx < 0).all(dim=1)
-    assert rel_l2(hinted[0][live], ref_out[live]) < REL_OUT
-
-
-def test_staggered_gather_must_be_known():
-    from dsa_ref.kernels import sparse_mla_fwd as fwd
-
-    with pytest.raises(ValueError, match="gather must be one of"):
-        fwd.staggered_kernel(128, DIM, DIM_V, SM_SCALE, gather="fast")
-
-
 @pytest.mark.parametrize("H", [16, 32, 64, 128])
 def test_backward_matches_reference(H):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang

@@ -323,37 +323,12 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
 
 
 # --8<-- [start:staggered_kernel]
-# The gather's copy with two hints to the L2 cache (PTX ISA, cp.async, sm_80+): fetch the 256 bytes
-# around the address into L2 (``L2::256B``: a latent row is 1152 bytes, read in 16-byte pieces by 8
-# threads) and, with ``evict_last``, keep the rows in L2 ahead of the streamed queries, since every
-# key row is gathered by many queries. FlashMLA's sparse prefill copies with both.
-_GATHER_HINTS = {
-    "prefetch_256": r"""
-__device__ __forceinline__ void dsa_cp_async_16_prefetch_256(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
-}
-""",
-    "evict_last": r"""
-__device__ __forceinline__ void dsa_cp_async_16_evict_last(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;"
-               :: "r"(s), "l"(gmem), "l"(policy) : "memory");
-}
-""",
-}
-GATHERS = ("plain",) + tuple(_GATHER_HINTS)
-
-
 @T.macro
-def copy_half(p, it, stage, right, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half, gather):
+def copy_half(p, it, stage, right, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
     """One half of one stage (Python ints ``stage``, ``right``): channels ``[0, half)`` (L) or
     ``[half, D)`` (R) of the stage's 64 rows, behind its own ``kv_free`` / ``kv_ready`` barrier
     (index ``2 * stage + right``). The L half of stage 0 and the R half of stage 1 come first, so
-    they also carry the stage's validity flags. ``gather`` (one of `GATHERS`): the plain
-    ``cp.async`` or one with L2 hints."""
+    they also carry the stage's validity flags."""
     lo, hi = (half, KV.shape[1]) if right else (0, half)
     T.barrier_wait(kv_free[2 * stage + right], (it & 1) ^ 1)
     for r in T.unroll(BLOCK_I // 16):
@@ -362,21 +337,16 @@ def copy_half(p, it, stage, right, KV, kv_s, valid_s, rows, kv_free, kv_ready, n
             valid_s[stage, slot] = rows[stage, r] >= 0
         for u in T.unroll((hi - lo) // 64):
             col = lo + 64 * u + (p % 8) * 8
-            if gather == "plain":
-                T.ptx_cp_async(
-                    T.access_ptr(kv_s[stage, slot, col], "w", 8),
-                    T.access_ptr(KV[zero_row_or(rows[stage, r], num_kv), col], "r", 8),
-                    8,  # elements: 8 bf16 = one 16-byte cp.async
-                )
-            else:  # the row is clamped into [0, S] by zero_row_or: never read past KV
-                T.call_extern("handle", f"dsa_cp_async_16_{gather}",
-                              T.access_ptr(kv_s[stage, slot, col], "w", 8),
-                              T.access_ptr(KV[zero_row_or(rows[stage, r], num_kv), col], "r", 8))
+            T.ptx_cp_async(
+                T.access_ptr(kv_s[stage, slot, col], "w", 8),
+                T.access_ptr(KV[zero_row_or(rows[stage, r], num_kv), col], "r", 8),
+                8,  # elements: 8 bf16 = one 16-byte cp.async
+            )
     T.cp_async_barrier_noinc(kv_ready[2 * stage + right])
 
 
 @T.macro
-def gather_halves(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half, gather):
+def gather_halves(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
     """The producer of `staggered_kernel` (thread ``p`` of 128): each pair's two blocks, in halves.
 
     Every stage is copied in two halves with their own barriers, in the order the consumers need
@@ -388,14 +358,14 @@ def gather_halves(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_r
         for stage in T.unroll(2):
             for r in T.unroll(BLOCK_I // 16):
                 rows[stage, r] = Indices[t, (it * 2 + stage) * BLOCK_I + r * 16 + p // 8]
-        copy_half(p, it, 0, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half, gather)
-        copy_half(p, it, 1, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half, gather)
-        copy_half(p, it, 0, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half, gather)
-        copy_half(p, it, 1, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half, gather)
+        copy_half(p, it, 0, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 0, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
 
 
 @functools.lru_cache(maxsize=None)
-def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, gather: str = "plain"):
+def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
     """Compile the staggered sparse MLA forward (64 heads per block; FlashMLA's SM90 scheme).
 
     Arguments as for `warp_specialized_kernel` (``K`` a multiple of 128, ``NumBlocks`` counts pairs
@@ -415,17 +385,12 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, gathe
     * The **producer** copies every stage in two halves (channels ``[0, 256)`` and ``[256, 576)``)
       with their own barriers, so a half is refilled as soon as its last reader is done.
 
-    ``gather`` picks the producer's copy instruction (`GATHERS`: ``"plain"``, or with the L2 hints
-    ``"prefetch_256"`` / ``"evict_last"``); every choice copies the same bytes.
-
     Barriers: ``kv_ready`` / ``kv_free`` per half-stage (producer <-> its consumers), ``max_ready[c]``
     (consumer ``c``'s maximum in ``max_s[c]``), ``p_ready[c]`` (its ``P`` in shared memory),
     ``l_ready`` (the row sums at the end). Conventions, garbage and ``-1`` handling as in
     `warp_specialized_kernel`.
     """
     hb, per_query = head_blocking(heads)
-    if gather not in GATHERS:
-        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     if hb != 64:
         raise ValueError(f"the staggered kernel needs 64-head blocks, got heads={heads}")
     if dim - dim_v != BLOCK_I or dim_v % 128:
@@ -447,8 +412,6 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, gathe
              Indices: T.Tensor((num_q, topk), "int32"), NumBlocks: T.Tensor((num_q,), "int32"),
              Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
         with T.Kernel(num_q * per_query, threads=384) as bx:
-            if gather != "plain":
-                T.import_source(_GATHER_HINTS[gather])
             t = bx // per_query
             h0 = (bx % per_query) * hb
             n_pairs = NumBlocks[t]
@@ -609,8 +572,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, gathe
                 T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
             else:  # producer
                 T.set_max_nreg(72, 0)
-                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half,
-                              gather)
+                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
 
     return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
 # --8<-- [end:staggered_kernel]
