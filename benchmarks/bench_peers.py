@@ -910,6 +910,13 @@ def _dsa_ref_kl(x: Inputs, lib: Family, *, kernel: bool = True) -> Bench:
     return Bench(run, lambda: check_kl(*run(), x), note=None if kernel else "PyTorch")
 
 
+def _dsa_ref_kl_kernel(x: Inputs, lib: Family) -> Bench:
+    from dsa_ref.kernels.indexer_loss_slots import slot_kl_tilelang
+
+    run = _no_grad(lambda: slot_kl_tilelang(x.kl_logits, x.kl_target, x.kl_valid))
+    return Bench(run, lambda: check_kl(*run(), x))
+
+
 def _megatron_kl(x: Inputs, lib: Family) -> Bench:
     mod = lib.module("tilelang_indexer_loss")
     run = _no_grad(lambda: mod.sparse_indexer_kl_interface(x.kl_target, x.kl_logits, x.kl_valid))
@@ -1015,6 +1022,8 @@ IMPLS: list[Impl] = [
          "kv [S,576], indices int32 [T,K], sm_scale)", _megatron_attention_target),
     Impl("dsa_ref", "dsa_ref", "kl_loss", "dsa_ref.kernels.indexer_loss_slots.indexer_loss_on_slots_tilelang(scores, "
          "target, valid, reduction='sum') + torch.autograd.grad", _dsa_ref_kl),
+    Impl("dsa_ref_kernel", "dsa_ref", "kl_loss", "dsa_ref.kernels.indexer_loss_slots.slot_kl_tilelang(scores, target, "
+         "valid) -> kl_sum, d_scores (the kernel without autograd, as Megatron's interface)", _dsa_ref_kl_kernel),
     Impl("dsa_ref_torch", "dsa_ref", "kl_loss", "dsa_ref.indexer_loss.indexer_loss_on_slots(scores, target, valid, "
          "reduction='sum') + torch.autograd.grad (PyTorch)", functools.partial(_dsa_ref_kl, kernel=False)),
     Impl("megatron", "megatron", "kl_loss", "ops.tilelang_indexer_loss.sparse_indexer_kl_interface(target, scores, "

@@ -214,6 +214,8 @@ def _reduce(total: torch.Tensor, rows_counted, reduction: str, num_rows, coeff: 
     if reduction == "mean":
         denominator = rows_counted if num_rows is None else num_rows
         total = total / torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp_min(1)
+    if isinstance(coeff, (int, float)) and coeff == 1:
+        return total  # no multiply (one kernel launch) for the common coefficient
     return total * coeff
 
 

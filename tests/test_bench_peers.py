@@ -164,6 +164,15 @@ def fake_tilelang_modules():
     }
 
 
+def _reference_slot_kl(scores, mass, valid):
+    """``(kl_sum, d_scores)`` as `slot_kl_tilelang` returns them, from the reference under autograd."""
+    with torch.enable_grad():
+        s = scores.detach().requires_grad_(True)
+        loss = indexer_loss_on_slots(s, mass, valid, reduction="sum")
+        (grad,) = torch.autograd.grad(loss, s)
+    return loss.detach(), grad
+
+
 @pytest.fixture
 def fake_dsa_ref_kernels(monkeypatch):
     """dsa_ref's kernel modules -> stand-ins that call the readable reference (the real ones need
@@ -176,7 +185,8 @@ def fake_dsa_ref_kernels(monkeypatch):
         "dsa_ref.kernels.indexer_bwd": SimpleNamespace(
             index_scores_at_tilelang=lambda q, k, w, idx, **kw: index_scores_at(q, k, w, idx, **kw)),
         "dsa_ref.kernels.attention_target": SimpleNamespace(attention_head_sum_tilelang=attention_head_sum),
-        "dsa_ref.kernels.indexer_loss_slots": SimpleNamespace(indexer_loss_on_slots_tilelang=indexer_loss_on_slots),
+        "dsa_ref.kernels.indexer_loss_slots": SimpleNamespace(indexer_loss_on_slots_tilelang=indexer_loss_on_slots,
+                                                              slot_kl_tilelang=_reference_slot_kl),
     }
     for name, module in fakes.items():
         monkeypatch.setitem(sys.modules, name, module)

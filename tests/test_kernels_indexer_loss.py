@@ -111,6 +111,25 @@ def test_rejects_bad_input():
         indexer_loss_on_slots_tilelang(s.double(), m.double(), v)
 
 
+@pytest.mark.parametrize("T,K", [(96, 100), (128, 2048), (40, 5000)])
+def test_slot_kl_without_autograd_is_the_loss_and_its_gradient(T, K):
+    """`slot_kl_tilelang` returns the autograd path's loss and gradient (upstream gradient 1)."""
+    from dsa_ref.kernels.indexer_loss_slots import slot_kl_tilelang
+
+    scores, mass, valid = _case(T, K, seed=K + 1)
+    kl_sum, d = slot_kl_tilelang(scores, mass, valid)
+    s = scores.double().requires_grad_(True)
+    ref = indexer_loss_on_slots(s, mass.double(), valid, reduction="sum")
+    (ref_d,) = torch.autograd.grad(ref, s)
+    assert kl_sum.dtype == torch.float32 and kl_sum.dim() == 0 and d.shape == (T, K)
+    assert abs(kl_sum.double() - ref) <= REL * max(1.0, abs(float(ref)))
+    assert rel_l2(d, ref_d) <= REL and (d[~valid] == 0).all()
+    with pytest.raises(ValueError, match="contiguous torch.float32 CUDA"):
+        slot_kl_tilelang(scores.double(), mass, valid)
+    with pytest.raises(ValueError, match="not contiguous"):
+        slot_kl_tilelang(scores.t().contiguous().t(), mass, valid)
+
+
 def test_slot_ops_use_the_kernel_and_match_the_reference_ops():
     """The sparse stage's loss and indexer gradients with all kernels vs the reference's ops."""
     from dsa_ref import kernels

@@ -219,8 +219,18 @@ def findings_section(results: dict | None) -> list[str]:
         who = "slower than" if max(kl) < 1 else "faster than" if min(kl) > 1 else "beside"
         what = ("PyTorch (`indexer_loss_on_slots` and its autograd), not a kernel" if pytorch
                 else "the fused kernel `indexer_loss_on_slots_tilelang`")
-        lines.append(f"- **KL loss over the slots:** Megatron's fused kernel is {who} dsa_ref's "
-                     f"(x{_range(kl, '.2f')} dsa_ref's speed); dsa_ref's is {what}.")
+        text = (f"- **KL loss over the slots:** Megatron's fused kernel is {who} dsa_ref's "
+                f"(x{_range(kl, '.2f')} dsa_ref's speed); dsa_ref's is {what}.")
+        # kernel against kernel: dsa_ref's call without autograd, as Megatron's interface
+        mine = {r["shape"]: r["ms_per_call"] for r in _ok_recs(results, "kl_loss", "dsa_ref_kernel")}
+        theirs = {r["shape"]: r["ms_per_call"] for r in _ok_recs(results, "kl_loss", "megatron")}
+        both = [s for s in mine if s in theirs]
+        if both:
+            ratio = [theirs[s] / mine[s] for s in both]  # > 1: dsa_ref's kernel is faster
+            text += (f" Kernel against kernel (`slot_kl_tilelang`, loss and gradient without autograd, as "
+                     f"Megatron's interface returns them), dsa_ref's is x{_range(ratio, '.2f')} Megatron's speed; "
+                     "the autograd call adds the backward's scaling of the gradient, one more pass over `[T, K]`.")
+        lines.append(text)
     failed = [r for r in results["results"] if r["status"] == "failed"]
     if failed:
         groups: dict[str, list[str]] = {}
@@ -256,7 +266,8 @@ def findings_section(results: dict | None) -> list[str]:
             text += (f"`{same[0][0]}` `{same[0][2]}` of dsa_ref and of Megatron at "
                      f"{', '.join(s.split()[0] for _, s, _ in same)}: the two kernels give the same errors "
                      f"(max |err| {maxes}, rel. L2 {_range(rels, '.2g')}), so they agree with each other; "
-                     f"{_range(counts, 'd')} elements per shape, of millions, exceed the tolerance. ")
+                     f"{_range(counts, 'd')} {'element' if max(counts) == 1 else 'elements'} per shape, of "
+                     "millions, exceed the tolerance. ")
         if own:
             rels = [_num(mism[(op, s, 'dsa_ref', n)]['rel_l2']) for op, s, n in own]
             text += ("Likewise dsa_ref's " + ", ".join(sorted({f"`{op}` `{n}`" for op, _, n in own})) + " at "

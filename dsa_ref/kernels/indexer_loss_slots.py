@@ -126,21 +126,49 @@ def slot_kl_kernel(block: int = BLOCK, threads: int = THREADS):
 # --8<-- [end:slot_kl_kernel]
 
 
+# --8<-- [start:slot_kl_tilelang]
+def slot_kl_tilelang(slot_scores: torch.Tensor, attention_mass: torch.Tensor,
+                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel itself: ``(sum_t KL_t, dKL/ds)`` in one call, without autograd.
+
+    For callers that apply the upstream gradient themselves (as Megatron-LM's
+    ``sparse_indexer_kl_interface`` does); `indexer_loss_on_slots_tilelang` is the autograd path.
+
+    Args:
+        slot_scores: ``[T, K]`` float32 CUDA, contiguous: index scores at the slots.
+        attention_mass: ``[T, K]`` float32 CUDA, contiguous: head-summed attention mass.
+        valid: ``[T, K]`` bool CUDA, contiguous.
+
+    Returns:
+        ``kl_sum`` (float32 scalar, the KL summed over rows) and ``d_scores`` ``[T, K]`` float32,
+        its gradient with respect to ``slot_scores`` (0 off the valid set).
+    """
+    check_slot_loss_inputs(slot_scores, attention_mass, valid, "sum")
+    for name, x, dtype in (("slot_scores", slot_scores, torch.float32), ("attention_mass", attention_mass, torch.float32),
+                           ("valid", valid, torch.bool)):
+        if not x.is_cuda or x.dtype != dtype or not x.is_contiguous():
+            raise ValueError(f"slot_kl_tilelang: {name} must be a contiguous {dtype} CUDA tensor, got "
+                             f"{x.dtype} on {x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+    num_rows, width = slot_scores.shape
+    d_scores = torch.empty((num_rows, width), dtype=torch.float32, device=slot_scores.device)  # [T, K]
+    kl_rows = torch.empty((num_rows,), dtype=torch.float32, device=slot_scores.device)  # [T]
+    if num_rows and width:
+        slot_kl_kernel()(slot_scores, attention_mass, valid, d_scores, kl_rows)  # writes every row of both
+    else:
+        d_scores.zero_()
+        kl_rows.zero_()
+    return kl_rows.sum(), d_scores
+# --8<-- [end:slot_kl_tilelang]
+
+
 class SlotKL(torch.autograd.Function):
     """``sum_t KL_t`` with the gradient the kernel stored in the forward (the backward scales it)."""
 
     @staticmethod
     def forward(ctx, slot_scores: torch.Tensor, mass: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        num_rows, width = slot_scores.shape
-        d_scores = torch.empty((num_rows, width), dtype=torch.float32, device=slot_scores.device)  # [T, K]
-        kl_rows = torch.empty((num_rows,), dtype=torch.float32, device=slot_scores.device)  # [T]
-        if num_rows and width:
-            slot_kl_kernel()(slot_scores, mass, valid, d_scores, kl_rows)  # writes every row of both
-        else:
-            d_scores.zero_()
-            kl_rows.zero_()
+        total, d_scores = slot_kl_tilelang(slot_scores, mass, valid)  # [], [T, K]
         ctx.save_for_backward(d_scores)
-        return kl_rows.sum()
+        return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
