@@ -23,7 +23,9 @@ TITLES = {"sparse_fwd": "sparse MLA forward", "sparse_bwd": "sparse MLA backward
           "indexer_bwd": "indexer backward", "attention_target": "attention target", "kl_loss": "KL loss + gradient"}
 #: one colour per implementation across the panels (others take the next colours of the cycle)
 COLOURS = {"dsa_ref": "#1f4e9c", "flashmla": "#ff7f0e", "megatron": "#2ca02c", "tilelang": "#d62728",
-           "tilelang_simple": "#d62728", "tilelang_pipelined": "#9467bd", "tilelang_fp8": "#8c564b"}
+           "tilelang_simple": "#d62728", "tilelang_pipelined": "#9467bd", "tilelang_fp8": "#8c564b",
+           # dsa_ref's other calls of one op: lighter blues, never a peer's colour
+           "dsa_ref_staggered": "#6f9fd8", "dsa_ref_kernel": "#6f9fd8", "dsa_ref_torch": "#b8cce8"}
 
 
 def _impls(results: dict, op: str) -> list[str]:
@@ -78,7 +80,8 @@ def plot(results: dict, out: Path) -> None:
         ax.set_xticks(range(len(shapes)), [s.replace(" ", "\n") for s in shapes], fontsize=7)
         ax.set_ylabel("TFLOP/s per call" if timed else "ms per call (lower is better)", fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
-        ax.legend(fontsize=6, loc="upper right")
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # headroom: the legend sits above the bars
+        ax.legend(fontsize=6, loc="upper center", ncol=3)
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
