@@ -303,9 +303,9 @@ class Inputs:
     def kl_logits(self) -> torch.Tensor:
         return self._kl[1]
 
-    @property
+    @cached_property
     def kl_valid(self) -> torch.Tensor:
-        return self.idx >= 0
+        return self.idx >= 0  # made once: the timed calls hold the op alone, not this comparison
 
     def only_rows(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """``t`` (``[T, ...]``) with every row outside ``[lo, hi)`` zeroed: an output gradient for one block."""
