@@ -436,6 +436,23 @@ def test_page_renders_the_conformance_and_speed_tables():
         page.render({"schema": "something else"})
 
 
+def test_an_op_measured_again_takes_all_its_rows_from_the_later_run():
+    first = synthetic_results()
+    later = copy.deepcopy(first)
+    later["meta"].update(date="2099-02-02", command="bench_peers.py --ops kl_loss")
+    later["results"] = [dict(r, ms_per_call=0.05, ratio_to_dsa_ref=2.0) for r in later["results"]
+                        if r["op"] == "kl_loss"]
+    merged = page.merge_runs([first, later], ["a.json", "b.json"])
+    kl = [r for r in merged["results"] if r["op"] == "kl_loss"]
+    assert len(kl) == 1 and kl[0]["ms_per_call"] == 0.05, "the later run's rows replace the op's rows"
+    assert len(merged["results"]) == len(first["results"]), "the other ops keep the first run's rows"
+    assert first["results"][-1]["ms_per_call"] == 0.1, "the inputs are not modified"
+    text = page.render(merged, source="a.json and b.json")
+    speed = text.split("## Speed")[1]
+    assert "Measured in a run of its own: 2099-02-02" in speed and "(`b.json`)" in speed
+    assert "0.050 / 0.095 (x2.00)" in speed
+
+
 def test_page_without_results_states_conventions_and_how_to_measure():
     text = page.render(None)
     assert "Not measured yet" in text and "tools/gpu_session.sh peers" in text
@@ -450,7 +467,8 @@ def test_committed_page_is_the_generators_output():
     results, source, figure = None, None, None
     if " from " in first:
         source = first.split(" from ")[1].split(";")[0]
-        results = json.loads((ROOT / source).read_text())
+        names = source.split(" and ")
+        results = page.merge_runs([json.loads((ROOT / n).read_text()) for n in names], names)
         figure = page.FIGURE if page.FIGURE.is_file() else None
     assert committed == page.render(results, source=source, figure=figure), \
         "regenerate: python tools/known_kernels_page.py [RESULTS.json] > docs/known_kernels.md"

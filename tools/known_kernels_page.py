@@ -2,6 +2,7 @@
 
     python tools/known_kernels_page.py benchmarks/results/DATE_h200_peers.json > docs/known_kernels.md
     python tools/known_kernels_page.py > docs/known_kernels.md      # before any GPU run: no measured tables
+    python tools/known_kernels_page.py FULL.json KL.json > docs/known_kernels.md  # KL.json re-measured some ops
 
 The page states the peers, the calls the benchmark makes (`bench_peers.IMPLS`), their conventions
 (the presets of `dsa_ref.oracle`, which hold the facts measured on the H200) and, from the JSON, the
@@ -216,20 +217,21 @@ def findings_section(results: dict | None) -> list[str]:
     if kl:
         own = _ok_recs(results, "kl_loss", "dsa_ref")
         pytorch = any(r.get("note") == "PyTorch" or "no kernel" in (r.get("note") or "") for r in own)
-        who = "slower than" if max(kl) < 1 else "faster than" if min(kl) > 1 else "beside"
-        what = ("PyTorch (`indexer_loss_on_slots` and its autograd), not a kernel" if pytorch
-                else "the fused kernel `indexer_loss_on_slots_tilelang`")
-        text = (f"- **KL loss over the slots:** Megatron's fused kernel is {who} dsa_ref's "
-                f"(x{_range(kl, '.2f')} dsa_ref's speed); dsa_ref's is {what}.")
-        # kernel against kernel: dsa_ref's call without autograd, as Megatron's interface
         mine = {r["shape"]: r["ms_per_call"] for r in _ok_recs(results, "kl_loss", "dsa_ref_kernel")}
         theirs = {r["shape"]: r["ms_per_call"] for r in _ok_recs(results, "kl_loss", "megatron")}
         both = [s for s in mine if s in theirs]
-        if both:
+        text = "- **KL loss over the slots:** "
+        if both:  # kernel against kernel: dsa_ref's call without autograd, as Megatron's interface
             ratio = [theirs[s] / mine[s] for s in both]  # > 1: dsa_ref's kernel is faster
-            text += (f" Kernel against kernel (`slot_kl_tilelang`, loss and gradient without autograd, as "
-                     f"Megatron's interface returns them), dsa_ref's is x{_range(ratio, '.2f')} Megatron's speed; "
-                     "the autograd call adds the backward's scaling of the gradient, one more pass over `[T, K]`.")
+            who = "faster than" if min(ratio) > 1 else "slower than" if max(ratio) < 1 else "beside"
+            text += (f"kernel against kernel (`slot_kl_tilelang`, loss and gradient without autograd, as "
+                     f"Megatron's interface returns them), dsa_ref's is {who} Megatron's: x{_range(ratio, '.2f')} "
+                     "Megatron's speed. ")
+        what = ("PyTorch (`indexer_loss_on_slots` and its autograd)" if pytorch
+                else "forward and backward of `indexer_loss_on_slots_tilelang`")
+        text += (f"dsa_ref's autograd call ({what}) runs at x{_range([1 / x for x in kl], '.2f')} the speed of "
+                 "Megatron's raw call; its backward scales the gradient by the upstream one, a pass over "
+                 "`[T, K]` that a raw call leaves to its caller.")
         lines.append(text)
     failed = [r for r in results["results"] if r["status"] == "failed"]
     if failed:
@@ -393,8 +395,12 @@ def speed_section(results: dict | None, figure: Path | None) -> list[str]:
         names = _impl_order(results, op)
         formula = results.get("formulas", {}).get(op)
         lines += [f"**{bench_peers.OPS[op].title}**" + (f": TFLOP/s = {formula} / time." if formula else
-                                                         ": no FLOP count (ms only)."), "",
-                  "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+                                                         ": no FLOP count (ms only)."), ""]
+        other = m.get("op_runs", {}).get(op)
+        if other:
+            lines += [f"Measured in a run of its own: {other['date']}, {other['gpu']}, "
+                      f"`{_cell_text(other['command'])}` (`{other['source']}`).", ""]
+        lines += ["| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for s in shapes:
             cells = []
             for n in names:
@@ -435,6 +441,22 @@ def run_section() -> list[str]:
             "itself out of the table.", ""]
 
 
+def merge_runs(runs: list[dict], names: list[str]) -> dict:
+    """One results dict from several runs: an operation measured in a later run takes all its rows
+    (every implementation, every shape) from that run, so ratios never mix runs; ``meta["op_runs"]``
+    records which run each such operation comes from."""
+    merged = json.loads(json.dumps(runs[0]))
+    for run, name in zip(runs[1:], names[1:]):
+        ops = {r["op"] for r in run["results"]}
+        merged["results"] = [r for r in merged["results"] if r["op"] not in ops] + run["results"]
+        m = run["meta"]
+        for op in ops:
+            merged["meta"].setdefault("op_runs", {})[op] = {
+                "source": name, "date": m.get("date"), "gpu": m.get("gpu", m.get("device")),
+                "command": m.get("command", "")}
+    return merged
+
+
 def render(results: dict | None, *, source: str | None = None, figure: Path | None = None) -> str:
     """The whole page; ``results`` is a bench_peers JSON (``None``: the page before any GPU run)."""
     if results is not None and results.get("schema") != bench_peers.SCHEMA:
@@ -456,16 +478,21 @@ def render(results: dict | None, *, source: str | None = None, figure: Path | No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", nargs="?", type=Path, help="a bench_peers.py results file (none: no measured tables)")
+    parser.add_argument("json", nargs="*", type=Path,
+                        help="bench_peers.py results files (none: no measured tables); an operation measured in a "
+                             "later file replaces that operation's rows of the earlier ones")
     parser.add_argument("--figure", type=Path, default=FIGURE, help="shown on the page when it exists")
     args = parser.parse_args(argv)
-    results = json.loads(args.json.read_text()) if args.json else None
-    source = None
-    if args.json:
+
+    def name(path: Path) -> str:
         try:
-            source = str(args.json.resolve().relative_to(ROOT))
+            return str(path.resolve().relative_to(ROOT))
         except ValueError:
-            source = args.json.name
+            return path.name
+
+    names = [name(p) for p in args.json]
+    results = merge_runs([json.loads(p.read_text()) for p in args.json], names) if args.json else None
+    source = " and ".join(names) if names else None
     figure = args.figure if results is not None and args.figure.is_file() else None
     sys.stdout.write(render(results, source=source, figure=figure))
     return 0

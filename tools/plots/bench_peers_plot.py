@@ -1,7 +1,10 @@
 """Plot a benchmarks/bench_peers.py results JSON: dsa_ref's kernels beside the peers', for docs/known_kernels.md.
 
-    python tools/plots/bench_peers_plot.py --json benchmarks/results/DATE_h200_peers.json
+    python tools/plots/bench_peers_plot.py --json benchmarks/results/DATE_h200_peers.json [MORE.json ...]
                                            [--out docs/assets/bench_peers.png]
+
+With several files, an operation measured in a later one takes its rows from there
+(`known_kernels_page.merge_runs`, as the page does).
 
 One panel per operation, one group of bars per shape, one bar per implementation: TFLOP/s per call
 (after an L2 flush) under the JSON's FLOP formulas; for the KL loss, which has no FLOP count, ms per
@@ -96,10 +99,13 @@ def plot(results: dict, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--json", type=Path, nargs="+", required=True)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    plot(json.loads(args.json.read_text()), args.out)
+    sys.path.insert(0, str(ROOT / "tools"))
+    from known_kernels_page import merge_runs
+
+    plot(merge_runs([json.loads(p.read_text()) for p in args.json], [p.name for p in args.json]), args.out)
     print(f"wrote {args.out}")
     return 0
 
