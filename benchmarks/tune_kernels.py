@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import H_I, D_I, cuda_time_ms, run_meta, shape_inputs  # noqa: E402
 from dsa_ref.kernels.shapes import (  # noqa: E402
-    BACKWARD_SCHEDULES, DIM, DIM_V, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE, INDEXER_SCHEDULES, SM_SCALE)
+    BACKWARD_SCHEDULES, DIM, DIM_V, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE, INDEXER_SCHEDULES, INDEXER_TUNE,
+    SM_SCALE)
 
 
 H = 128
@@ -27,7 +28,7 @@ H = 128
 # (the defaults) is the one the others are checked against
 VARIANTS = {
     # the default first, then every tested schedule (shapes.*_SCHEDULES)
-    "indexer": [dict()] + INDEXER_SCHEDULES,
+    "indexer": [dict()] + INDEXER_SCHEDULES + INDEXER_TUNE,
     "indexer_fp8": [dict()] + INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE,  # on prepared e4m3 operands
     "forward": [dict(), dict(schedule="staggered")],  # the warp-specialised kernel, then FlashMLA's scheme
     "backward": [dict()] + BACKWARD_SCHEDULES,
@@ -198,7 +199,11 @@ def main() -> int:
     parser.add_argument("--out", default="tune_kernels.json")
     parser.add_argument("--kernels", default="indexer,indexer_fp8,forward,backward,topk",
                         help="which of VARIANTS to time")
+    parser.add_argument("--skip-knob", action="append", default=[],
+                        help="leave out every variant that sets this knob (e.g. one whose tests failed)")
     args = parser.parse_args()
+    for name in VARIANTS:
+        VARIANTS[name] = [kw for kw in VARIANTS[name] if not set(kw) & set(args.skip_knob)]
     if not torch.cuda.is_available():
         print("tune_kernels needs a CUDA GPU")
         return 1

@@ -72,6 +72,15 @@ def test_indexer_schedules(schedule):
     _check(q[:301].contiguous(), k, w[:301].contiguous(), None, None, schedule)
 
 
+@pytest.mark.parametrize("H", [16, 32])
+def test_indexer_warp_specialised_schedule_other_heads(H):
+    cu = torch.tensor([0, 1, 100, 100, 333, 700])
+    q, k, w = _inputs(700, 700, H, seed=H + 7)
+    starts, ends = key_windows(cu)
+    _check(q, k, w, starts.cuda(), ends.cuda(), dict(consumers=2))
+    _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, dict(consumers=2))
+
+
 def test_indexer_backward_equals_reference():
     from dsa_ref.kernels.autograd import lightning_indexer_tilelang
 

@@ -113,6 +113,15 @@ def test_fp8_indexer_schedules(schedule):
     _check(q[:301].contiguous(), k, w[:301].contiguous(), None, None, schedule)
 
 
+@pytest.mark.parametrize("H", [16, 32])
+def test_fp8_indexer_warp_specialised_schedule_other_heads(H):
+    cu = torch.tensor([0, 1, 100, 100, 333, 700])
+    q, k, w = _inputs(700, 700, H, seed=H + 7)
+    starts, ends = key_windows(cu)
+    _check(q, k, w, starts.cuda(), ends.cuda(), dict(consumers=2))
+    _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, dict(consumers=2))
+
+
 @pytest.mark.parametrize("junk", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_fp8_indexer_ignores_keys_outside_the_window(junk):
     """A NaN or Inf key quantises to NaN values and a NaN or Inf scale: only queries that see it may change."""

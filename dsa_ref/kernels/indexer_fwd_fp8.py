@@ -17,13 +17,17 @@ query, and the key scale multiplies each key's head sum. Power-of-two scales mak
 exact in fp32: the kernel and the simulation differ only in the order (and, on Hopper, the
 internal precision) of the accumulation.
 
-The schedule is the bf16 kernel's (`indexer_fwd.indexer_kernel`, same knobs, same defaults):
-one block of 128 threads owns ``block_q`` consecutive queries, keeps their ``[H_I, D_I]`` e4m3
-queries in shared memory (half the bytes of bf16), walks the ``[64, D_I]`` e4m3 key tiles any of
-them can see, and runs one GEMM per pair of queries with keys on rows,
+The schedule is the bf16 kernel's one-warpgroup schedule (`indexer_fwd.indexer_kernel` with
+``consumers=0``, the same knobs): one block of 128 threads owns ``block_q`` consecutive queries,
+keeps their ``[H_I, D_I]`` e4m3 queries in shared memory (half the bytes of bf16), walks the
+``[64, D_I]`` e4m3 key tiles any of them can see (the tile's 64 key scales loaded beside it), and
+runs one GEMM per pair of queries with keys on rows,
 ``logits [64 keys, 2 H_I] = K_tile @ [q[t]; q[t+1]]^T``. Both operands are K-major (rows of
-``D_I`` contiguous channels), as fp8 warpgroup MMAs require. Every entry of ``[T, S]`` is
-written: the score inside the query's window, ``-inf`` outside.
+``D_I`` contiguous channels), as fp8 warpgroup MMAs require. The weights (times the query
+scales) and the block's windows stay in registers; blocks go last queries first; the compiler is
+asked for ``MIN_BLOCKS = 4`` blocks per SM (128 registers a thread, no spills), which wins here and
+not in bf16. Every entry of ``[T, S]`` is written: the score inside the query's window, ``-inf``
+outside. ``consumers`` > 0 selects the warp-specialised schedule (`indexer_fwd_ws`), slower in fp8.
 
 Forward only. The scores are a selection criterion (the top-k), as in DeepSeek's inference and
 training code; they carry no gradient (see `dsa_ref.config.IndexerConfig.fp8` for the layer).
@@ -37,11 +41,13 @@ import torch
 
 from ..fp8 import act_quant_pow2
 from ._target import compile_target
+from .indexer_fwd_ws import indexer_ws_kernel
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 BLOCK_N = 64  # keys per tile
-BLOCK_Q = 2  # queries per block (the bf16 kernel's default; benchmarks/bench_indexer_fp8.py times others)
+BLOCK_Q = 2  # queries per block (benchmarks/bench_indexer_fp8.py times others)
+MIN_BLOCKS = 4  # blocks per SM asked of the compiler: it keeps to 128 registers a thread
 FP8_BLOCK = 128  # channels per scale: one indexer head vector (DeepSeek: D_I = 128)
 FP8_DTYPE = "float8_e4m3fn"  # torch.float8_e4m3fn: no infinities, max 448
 
@@ -49,14 +55,18 @@ FP8_DTYPE = "float8_e4m3fn"  # torch.float8_e4m3fn: no infinities, max 448
 # --8<-- [start:indexer_fp8_kernel]
 @functools.lru_cache(maxsize=None)
 def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BLOCK_Q, pingpong: bool = False,
-                       block_n: int = BLOCK_N, merge: int = 2):
+                       block_n: int = BLOCK_N, merge: int = 2, min_blocks: int = MIN_BLOCKS,
+                       consumers: int = 0, stages: int = 2):
     """Compile the fp8 indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
 
     Kernel arguments: ``Q [T, H_I, D_I]`` e4m3, ``QS [T, H_I]`` fp32 (one scale per query head),
     ``K [S, D_I]`` e4m3, ``KS [S]`` fp32 (one scale per key), ``W [T, H_I]`` fp32, ``Starts [T]``,
     ``Ends [T]`` int32, ``Scores [T, S]`` fp32 (written in place, every entry: ``-inf`` outside the
-    query's window). The knobs are those of `dsa_ref.kernels.indexer_fwd.indexer_kernel`.
+    query's window). The knobs are those of `dsa_ref.kernels.indexer_fwd.indexer_kernel`; here
+    ``consumers`` defaults to 0 (one warpgroup) and ``min_blocks`` to ``MIN_BLOCKS``.
     """
+    if consumers:  # the warp-specialised schedule
+        return indexer_ws_kernel(heads, dim, relu, fp8=True, consumers=consumers, stages=stages)
     if heads not in (16, 32, 64):
         raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
     if dim % 32:
@@ -80,16 +90,18 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
                    clear_accum=True)
 
     @T.macro
-    def store(row, qi, t0, s0, KS, Starts, Ends, Scores):
-        """``Scores[t0 + qi, s0 + n] = KS[s0 + n] * row[n]`` inside the query's window, ``-inf`` outside."""
+    def store(row, qi, t0, s0, ks_tile, win_lo, win_hi, Scores):
+        """``Scores[t0 + qi, s0 + n] = ks_tile[n] * row[n]`` inside the query's window ``[win_lo[qi],
+        win_hi[qi])``, ``-inf`` outside (the tile's key scales in shared memory, the block's windows in
+        registers)."""
         t = T.min(t0 + qi, num_q - 1)
         for n in T.Parallel(block_n):
             if t0 + qi < num_q and s0 + n < num_kv:
-                Scores[t, s0 + n] = T.if_then_else(s0 + n >= Starts[t] and s0 + n < Ends[t], row[n] * KS[s0 + n],
-                                                   -T.infinity(f32))
+                Scores[t, s0 + n] = T.if_then_else(s0 + n >= win_lo[qi] and s0 + n < win_hi[qi],
+                                                   row[n] * ks_tile[n], -T.infinity(f32))
 
     @T.macro
-    def epilogue(logits, part, row, w_s, g, t0, s0, KS, Starts, Ends, Scores):
+    def epilogue(logits, part, row, w_s, g, t0, s0, ks_tile, win_lo, win_hi, Scores):
         """``row[n] = sum_h (w * q_scale)[qi, h] * relu(logits[n, (qi - g*merge) * heads + h])`` for the
         queries ``qi`` of group ``g``, then `store`."""
         if merge == 1:  # in place
@@ -99,7 +111,7 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
                 else:
                     logits[n, h] = logits[n, h] * w_s[g, h]
             T.reduce_sum(logits, row, dim=1)  # [block_n]: the sum over heads
-            store(row, g, t0, s0, KS, Starts, Ends, Scores)
+            store(row, g, t0, s0, ks_tile, win_lo, win_hi, Scores)
         else:
             for j in T.unroll(merge):  # query g*merge + j owns the columns j*heads .. (j+1)*heads-1
                 for n, h in T.Parallel(block_n, heads):
@@ -108,10 +120,10 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
                     else:
                         part[n, h] = logits[n, j * heads + h] * w_s[g * merge + j, h]
                 T.reduce_sum(part, row, dim=1)  # [block_n]
-                store(row, g * merge + j, t0, s0, KS, Starts, Ends, Scores)
+                store(row, g * merge + j, t0, s0, ks_tile, win_lo, win_hi, Scores)
 
     @T.macro
-    def tile_scores(k_a, q_s, w_s, logits, logits_b, part, row, t0, s0, KS, Starts, Ends, Scores):
+    def tile_scores(k_a, q_s, w_s, logits, logits_b, part, row, t0, s0, ks_tile, win_lo, win_hi, Scores):
         """The scores of every query of the block against one key tile ``k_a`` (keys ``s0 ...``)."""
         if pingpong:
             # groups 2p and 2p+1 take turns: one accumulator's GEMM runs while the other's
@@ -120,17 +132,17 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
             for pair in T.unroll(groups // 2):
                 issue(k_a, q_s, 2 * pair + 1, logits_b, True)
                 T.wait_wgmma(1)
-                epilogue(logits, part, row, w_s, 2 * pair, t0, s0, KS, Starts, Ends, Scores)
+                epilogue(logits, part, row, w_s, 2 * pair, t0, s0, ks_tile, win_lo, win_hi, Scores)
                 if pair + 1 < groups // 2:
                     issue(k_a, q_s, 2 * pair + 2, logits, True)
                     T.wait_wgmma(1)
                 else:
                     T.wait_wgmma(0)
-                epilogue(logits_b, part, row, w_s, 2 * pair + 1, t0, s0, KS, Starts, Ends, Scores)
+                epilogue(logits_b, part, row, w_s, 2 * pair + 1, t0, s0, ks_tile, win_lo, win_hi, Scores)
         else:
             for g in T.unroll(groups):
                 issue(k_a, q_s, g, logits, False)
-                epilogue(logits, part, row, w_s, g, t0, s0, KS, Starts, Ends, Scores)
+                epilogue(logits, part, row, w_s, g, t0, s0, ks_tile, win_lo, win_hi, Scores)
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), FP8_DTYPE), QS: T.Tensor((num_q, heads), f32),
@@ -138,16 +150,26 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
              W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
              Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
         with T.Kernel(T.ceildiv(num_q, block_q), threads=128) as bx:
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             q_s = T.alloc_shared((block_q * heads, dim), FP8_DTYPE)  # query qi's heads on rows qi*H_I ...
             k_s = T.alloc_shared((block_n, dim), FP8_DTYPE)
-            w_s = T.alloc_shared((block_q, heads), f32, scope="shared")  # w * q_scale
+            ks_s = T.alloc_shared((block_n,), f32)  # the key tile's scales, loaded with the tile
+            win_lo = T.alloc_local((block_q,), "int32")  # the block's query windows, in registers
+            win_hi = T.alloc_local((block_q,), "int32")
+            if merge == 2:  # w * q_scale of the columns each thread holds, in registers
+                w_s = T.alloc_fragment((block_q, heads), f32)
+            else:  # (TileLang cannot lay out a register copy for the in-place epilogue of merge=1)
+                w_s = T.alloc_shared((block_q, heads), f32, scope="shared")
             logits = T.alloc_fragment((block_n, merge * heads), f32)  # [keys, (query, head)]
             logits_b = T.alloc_fragment((block_n, merge * heads), f32)  # the second accumulator (pingpong)
             part = T.alloc_fragment((block_n, heads), f32) if merge > 1 else None  # one query's columns
             row = T.alloc_fragment((block_n,), f32)
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
-            t0 = bx * block_q
+            # the last queries first: in a causal sequence they see the most keys, and the longest
+            # blocks are best started early (the short ones fill the last wave)
+            t0 = (T.ceildiv(num_q, block_q) - 1 - bx) * block_q
 
             # the key range any query of this block can see
             lo = num_kv
@@ -156,6 +178,8 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
                 if t0 + qi < num_q:
                     lo = T.min(lo, Starts[t0 + qi])
                     hi = T.max(hi, Ends[t0 + qi])
+                win_lo[qi] = Starts[T.min(t0 + qi, num_q - 1)]
+                win_hi[qi] = Ends[T.min(t0 + qi, num_q - 1)]
             # the queries past the last one (a partial last block) repeat it: their columns of the
             # product are computed and never stored (a column is one query head's, so nothing mixes)
             for qi, h, d in T.Parallel(block_q, heads, dim):
@@ -176,7 +200,8 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
             for kt in T.Pipelined(n_tiles, num_stages=2):
                 s0 = (first_tile + kt) * block_n
                 T.copy(K[s0:s0 + block_n, :], k_s)  # rows past the end are never stored below
-                tile_scores(k_s, q_s, w_s, logits, logits_b, part, row, t0, s0, KS, Starts, Ends, Scores)
+                T.copy(KS[s0:s0 + block_n], ks_s)
+                tile_scores(k_s, q_s, w_s, logits, logits_b, part, row, t0, s0, ks_s, win_lo, win_hi, Scores)
 
     return tilelang.compile(main, pass_configs=_PASS, target=compile_target())
 # --8<-- [end:indexer_fp8_kernel]

@@ -35,19 +35,27 @@ BACKWARD_SCHEDULES = [
     _schedule(tma_reduce=True, prefetch=True),
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True),
     {**_schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"), "batch_waits": True},
+    {**_schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"), "split": 4, "buffers": 2},
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"),
 ]
 
 # The other schedules of the indexer (`indexer_fwd.indexer_kernel`, knobs besides its defaults),
-# tested against the reference and timed against the default the same way: one query per GEMM
-# (with and without the ping-pong of two accumulators), and four queries per block.
-INDEXER_SCHEDULES = [dict(merge=1, pingpong=True), dict(merge=1), dict(block_q=4, pingpong=True)]
+# tested against the reference and timed against the default the same way: the single-warpgroup
+# kernel (``consumers=0``) with two queries per GEMM, one (with and without the ping-pong of two
+# accumulators), four queries per block, or four blocks per SM; the warp-specialised kernel
+# (`indexer_fwd_ws`, the default with one consumer) with two or three consumers.
+INDEXER_SCHEDULES = [dict(consumers=0), dict(consumers=0, merge=1, pingpong=True), dict(consumers=0, merge=1),
+                     dict(consumers=0, block_q=4, pingpong=True), dict(consumers=0, min_blocks=4),
+                     dict(consumers=2), dict(consumers=3)]
 
 # The fp8 indexer's (`indexer_fwd_fp8.indexer_fp8_kernel`, the same knobs) tested schedules besides its
 # default; with fp8 operands the queries of a block take half the shared memory, so more of them fit.
 # `INDEXER_FP8_TUNE` adds what benchmarks/bench_indexer_fp8.py and tune_kernels.py time besides.
-INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(block_q=4, pingpong=True)]
-INDEXER_FP8_TUNE = [dict(block_q=8, pingpong=True), dict(block_n=128), dict(block_n=128, block_q=4)]  # 128-key tiles: untimed so far
+INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(block_q=4, pingpong=True),
+                         dict(min_blocks=0), dict(consumers=1), dict(consumers=2), dict(consumers=3)]
+INDEXER_FP8_TUNE = [dict(min_blocks=5), dict(consumers=1, stages=3), dict(consumers=1, stages=4),
+                    dict(consumers=3, stages=3)]
+INDEXER_TUNE = [dict(stages=3), dict(stages=4)]  # the default (one consumer) with more key tiles in flight
 
 
 # The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default
@@ -75,6 +83,7 @@ def kernel_set():
         jobs.append(("indexer_fp8", (h, INDEXER_DIM, True)))
     jobs.append(("indexer_fp8", (64, INDEXER_DIM, False)))
     jobs += [("indexer_fp8", (64, INDEXER_DIM, True), kw) for kw in INDEXER_FP8_SCHEDULES]
+    jobs += [(name, (h, INDEXER_DIM, True), dict(consumers=2)) for h in (16, 32) for name in ("indexer", "indexer_fp8")]
     jobs.append(("scores_at", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at_backward", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at", (16, 64, True)))

@@ -94,7 +94,7 @@ __device__ __forceinline__ void dsa_bulk_reduce_add_f32(const float* smem, float
 def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_math: bool = True,
                     policy: str = "Square", bounds_checks: bool = False, dkv_layout: str = "channels",
                     tma_reduce: bool = True, prefetch: bool = True, dkv_policy: str = "FullRow",
-                    batch_waits: bool = False):
+                    batch_waits: bool = False, split: int = SPLIT, buffers: int = 1):
     """Compile the sparse MLA backward for these sizes (any number of queries, keys and slots).
 
     Kernel arguments: ``Q [T, H, D]``, ``KV [S, D]``, ``dO [T, H, dim_v]`` bf16, ``Indices [T, K]``
@@ -122,7 +122,14 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
     * ``batch_waits`` (``"channels"`` only): issue the independent warpgroup MMAs of a step
       together and wait once: ``S`` (both parts) with ``dP``; ``dQ`` (both parts); the three ``dKV``
       products. Three waits per block instead of eight.
+    * ``split``, ``buffers``: the ``[32, D]`` dKV block is staged ``32 / split`` rows at a time in
+      ``buffers`` alternating buffers of shared memory. With one buffer a part waits until the
+      copy engine has read the previous one; with two (``split=4, buffers=2``: the same bytes as
+      one half block) it waits only for the part before that (``tma_reduce`` only).
     """
+    if split not in (1, 2, 4, 8) or buffers not in (1, 2) or (buffers == 2 and (split < 2 or not tma_reduce)):
+        raise ValueError(f"split must be 1, 2, 4 or 8 and buffers 1 or 2 (2 needs split >= 2 and tma_reduce), "
+                         f"got split={split}, buffers={buffers}, tma_reduce={tma_reduce}")
     hb, per_query = head_blocking(heads)
     if dkv_layout not in ("rows", "channels"):
         raise ValueError(f"dkv_layout must be 'rows' or 'channels', got {dkv_layout!r}")
@@ -134,7 +141,7 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
     threads = 256 if hb >= 64 else 128
     num_q, num_kv, topk = T.dynamic("num_q"), T.dynamic("num_kv"), T.dynamic("topk")
     warp_policy = getattr(T.GemmWarpPolicy, policy)
-    rows_half = BLOCK_S // SPLIT
+    rows_half = BLOCK_S // split  # rows per staged part
     bf16, f32 = "bfloat16", "float32"
     channels = dkv_layout == "channels"
     v_chunks, tail_chunks = BLOCK_S * dim_v // 8 // threads, BLOCK_S * dim_tail // 8 // threads
@@ -158,27 +165,28 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
 
     @T.macro
     def scatter(acc_dkv, acc_dkv_tail, dkv_stage, dKV, Indices, t, blk, tx):
-        """Scatter-add the dKV block of slots ``blk*32 .. blk*32+31`` into ``dKV``: half a block (16
-        whole rows) at a time through shared memory."""
-        for part in T.serial(SPLIT):
-            if tma_reduce:  # the bulk reductions of the previous half must have read it
+        """Scatter-add the dKV block of slots ``blk*32 .. blk*32+31`` into ``dKV``: ``32 / split``
+        whole rows at a time through shared memory."""
+        for part in T.serial(split):
+            buf = part % buffers
+            if tma_reduce:  # the bulk reductions that last read this buffer must be done reading it
                 if tx < rows_half:
-                    T.tma_store_wait(0)
+                    T.tma_store_wait(buffers - 1)  # at most the other buffer's group still reading
                 T.sync_threads()
             if channels:
                 for d, i in T.Parallel(dim_v, BLOCK_S):
                     if i // rows_half == part:
-                        dkv_stage[i % rows_half, d] = acc_dkv[d, i]
+                        dkv_stage[buf, i % rows_half, d] = acc_dkv[d, i]
                 for d, i in T.Parallel(dim_tail, BLOCK_S):
                     if i // rows_half == part:
-                        dkv_stage[i % rows_half, dim_v + d] = acc_dkv_tail[d, i]
+                        dkv_stage[buf, i % rows_half, dim_v + d] = acc_dkv_tail[d, i]
             else:
                 for i, d in T.Parallel(BLOCK_S, dim_v):
                     if i // rows_half == part:
-                        dkv_stage[i % rows_half, d] = acc_dkv[i, d]
+                        dkv_stage[buf, i % rows_half, d] = acc_dkv[i, d]
                 for i, d in T.Parallel(BLOCK_S, dim_tail):
                     if i // rows_half == part:
-                        dkv_stage[i % rows_half, dim_v + d] = acc_dkv_tail[i, d]
+                        dkv_stage[buf, i % rows_half, dim_v + d] = acc_dkv_tail[i, d]
             if tma_reduce:
                 # make the staged rows visible to the bulk-copy engine, then one thread per row
                 T.fence_proxy_async()
@@ -187,14 +195,14 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
                     slot = blk * BLOCK_S + part * rows_half + tx
                     if Indices[t, slot] >= 0:
                         T.call_extern("handle", "dsa_bulk_reduce_add_f32",
-                                      T.access_ptr(dkv_stage[tx, 0], "r"),
+                                      T.access_ptr(dkv_stage[buf, tx, 0], "r"),
                                       T.access_ptr(dKV[Indices[t, slot], 0], "w"), dim * 4)
                     T.tma_store_arrive()
             else:  # 4 floats per atomic
                 for i, d4 in T.Parallel(rows_half, dim // 4):
                     slot = blk * BLOCK_S + part * rows_half + i
                     if Indices[t, slot] >= 0:
-                        T.atomic_addx4(dKV[Indices[t, slot], d4 * 4], dkv_stage[i, d4 * 4])
+                        T.atomic_addx4(dKV[Indices[t, slot], d4 * 4], dkv_stage[buf, i, d4 * 4])
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
@@ -216,7 +224,7 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
             ds_s = T.alloc_shared((hb, BLOCK_S), bf16)
             # half a dKV block, whole rows; 4 floats of padding per row spread the transposed
             # writes of the "channels" layout over all 32 banks (rows stay 16-byte aligned)
-            dkv_stage = T.alloc_shared((rows_half, dim + 4), f32)
+            dkv_stage = T.alloc_shared((buffers, rows_half, dim + 4), f32)
             valid = T.alloc_fragment((BLOCK_S,), "bool")
 
             acc_p = T.alloc_fragment((hb, BLOCK_S), f32)
