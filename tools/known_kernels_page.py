@@ -213,6 +213,13 @@ def findings_section(results: dict | None) -> list[str]:
         if meg:
             text += f" dsa_ref is {_range([1 / x for x in meg], '.1f')}x faster than Megatron's kernel."
         lines.append(text)
+    idx = {r["impl"]: [] for r in results["results"] if r["op"] == "indexer_fwd"}
+    for impl in idx:
+        idx[impl] = [r["ratio_to_dsa_ref"] for r in _ok_recs(results, "indexer_fwd", impl) if r.get("ratio_to_dsa_ref")]
+    peers = [(impl, ratios) for impl, ratios in idx.items() if impl != "dsa_ref" and ratios]
+    if peers:
+        bits = [f"{impl} runs at x{_range(ratios, '.2f')} dsa_ref's speed" for impl, ratios in peers]
+        lines.append("- **Lightning indexer (dsa_ref in bf16):** " + "; ".join(bits) + ".")
     kl = [r["ratio_to_dsa_ref"] for r in _ok_recs(results, "kl_loss", "megatron") if r.get("ratio_to_dsa_ref")]
     if kl:
         own = _ok_recs(results, "kl_loss", "dsa_ref")
