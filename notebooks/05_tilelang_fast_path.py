@@ -517,7 +517,7 @@ plt.show()
 
 # %%
 def emulate_indexer(q, k, w, starts, ends, block_q=2, block_n=64):
-    """indexer_fwd.indexer_kernel's loops, in float64."""
+    """The indexer kernels' tiling (both schedules), in float64."""
     T_, S = q.shape[0], k.shape[0]
     scores = torch.full((T_, S), -math.inf, dtype=torch.float64)   # -inf outside every window
     qf, kf, wf = q.double(), k.double(), w.double()

@@ -193,7 +193,9 @@ def findings_section(results: dict | None) -> list[str]:
         return []
     m = results["meta"]
     lines = ["## Findings of this run", "",
-             f"From `{m.get('date')}` on the {m.get('gpu', m.get('device'))}; the tables below hold every number.", ""]
+             f"From `{m.get('date')}` on the {m.get('gpu', m.get('device'))}"
+             + ("; " + ", ".join(f"`{op}`" for op in m["op_runs"]) + " from later runs of their own (see Speed)"
+                if m.get("op_runs") else "") + "; the tables below hold every number.", ""]
     fwd = {r["shape"]: r for r in _ok_recs(results, "sparse_fwd", "dsa_ref")}
     fm = [r for r in _ok_recs(results, "sparse_fwd", "flashmla") if r.get("ratio_to_dsa_ref") and r["shape"] in fwd]
     if fm:
