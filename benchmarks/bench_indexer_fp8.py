@@ -1,16 +1,20 @@
 """The fp8 lightning indexer against the bf16 one on one GPU: speed, agreement, top-k overlap.
 
     python benchmarks/bench_indexer_fp8.py [--shapes 4096x8192,16384x16384] [--out FILE.json]
+        [--variants "persistent=1:consumers=3:stages=4;consumers=3"] [--bf16-variants ...]
 
 For each shape (the queries are the last ``num_q`` positions of one causal sequence of ``num_kv``
 tokens, as in bench_kernels.py; indexer 64 heads x 128, random bf16 ``q`` and ``k``), with CUDA
 events, median of ``--reps`` runs after warm-up, both per call (one call on an idle GPU, host
 time included) and in GPU time (work queued ahead, see bench_kernels.cuda_time_ms):
 
-* the bf16 kernel alone (`indexer_fwd.indexer_kernel`, its default) and its wrapper;
+* the bf16 kernel alone (`indexer_fwd.indexer_kernel`), its default and its faster schedules
+  (``--bf16-variants``, by default ``shapes.INDEXER_BF16_RIVALS``), and its wrapper;
 * the fp8 kernel alone (`indexer_fwd_fp8.indexer_fp8_kernel`) on operands quantised beforehand
   (DeepSeek quantises in the projections' epilogue), in its default and in every schedule of
-  ``shapes.INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE``; the speed-up is ``bf16 ms / fp8 ms``;
+  ``shapes.INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE`` (or ``--variants``); the speed-up is
+  ``bf16 ms / fp8 ms``, against the bf16 default (``speedup_gpu``) and against the fastest bf16
+  schedule of the run (``speedup_gpu_vs_best_bf16``, the honest one);
 * the quantisation alone (`quantize_indexer_operands`: `dsa_ref.fp8.act_quant_pow2` of q and k,
   `act_quant_block128`'s bytes in three PyTorch passes) and the fp8 wrapper that includes it;
 * agreement: the fp8 kernel against the float64 simulation on the same quantised operands
@@ -33,9 +37,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import D_I, H_I, cuda_time_ms, run_meta  # noqa: E402
 from dsa_ref import key_windows, lightning_indexer  # noqa: E402
-from dsa_ref.kernels.shapes import BENCH_TOPK, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE  # noqa: E402
+from dsa_ref.kernels.shapes import (  # noqa: E402
+    BENCH_TOPK, INDEXER_BF16_RIVALS, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE)
 
 SAMPLE_ROWS = 512  # rows of the float64 simulation check
+SCHEDULE_KEYS = ("block_q", "merge", "pingpong", "block_n", "min_blocks", "consumers", "stages", "persistent")
 
 
 def inputs(num_q: int, num_kv: int, seed: int = 0):
@@ -65,7 +71,24 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list[dict]) -> dict:
+def parse_variants(text: str) -> list[dict]:
+    """``"persistent=1:consumers=3:stages=4;consumers=3"`` -> ``[{persistent: True, ...}, {consumers: 3}]``."""
+    out = []
+    for spec in filter(None, text.split(";")):
+        kw = {}
+        for item in spec.split(":"):
+            key, value = item.split("=")
+            kw[key] = bool(int(value)) if key in ("persistent", "pingpong") else int(value)
+        out.append(kw)
+    return out
+
+
+def variant_name(prefix: str, kw: dict) -> str:
+    return prefix + "".join(f"_{a}{b}" for a, b in kw.items())
+
+
+def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list[dict],
+                bf16_variants: list[dict]) -> dict:
     from dsa_ref.fp8 import act_quant_block128, fp8_dequant
     from dsa_ref.kernels.autograd import lightning_indexer_tilelang
     from dsa_ref.kernels.indexer_fwd import indexer_kernel
@@ -92,6 +115,13 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
         bf16 = indexer_kernel(H_I, D_I, True)
         wf = w.float().contiguous()
         timed("bf16_kernel", lambda: bf16(q, k, wf, st, en, scores_bf16))
+        row["bf16_variants"] = [{"gpu_ms": row["bf16_kernel_gpu_ms"], "call_ms": row["bf16_kernel_call_ms"]}]
+        for kw in bf16_variants:  # the bf16 kernel's faster schedules: the fp8 one is measured against the best
+            name = variant_name("bf16_kernel", kw)
+            kernel_b = indexer_kernel(H_I, D_I, True, **kw)
+            timed(name, lambda: kernel_b(q, k, wf, st, en, scores_bf16))
+            row["bf16_variants"].append({**kw, "gpu_ms": row[name + "_gpu_ms"], "call_ms": row[name + "_call_ms"]})
+        row["bf16_best"] = min(row["bf16_variants"], key=lambda v: v["gpu_ms"])
         timed("bf16_wrapper", lambda: lightning_indexer_tilelang(q, k, w, starts=st, ends=en))
 
         q8, qs, k8, ks = quantize_indexer_operands(q, k)
@@ -103,7 +133,7 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
         scores_fp8 = torch.empty(num_q, num_kv, device="cuda")
         row["fp8_variants"] = []
         for kw in variants:
-            name = "fp8_kernel" + "".join(f"_{a}{b}" for a, b in kw.items())
+            name = variant_name("fp8_kernel", kw)
             try:
                 kernel = indexer_fp8_kernel(H_I, D_I, True, **kw)
             except Exception as err:  # noqa: BLE001 - a variant that does not compile is recorded
@@ -112,7 +142,8 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
             timed(name, lambda: kernel(q8, qs, k8, ks, wf, st, en, scores_fp8))
             variant = {**kw, "call_ms": row[name + "_call_ms"], "gpu_ms": row[name + "_gpu_ms"],
                        "speedup_call": row["bf16_kernel_call_ms"] / row[name + "_call_ms"],
-                       "speedup_gpu": row["bf16_kernel_gpu_ms"] / row[name + "_gpu_ms"]}
+                       "speedup_gpu": row["bf16_kernel_gpu_ms"] / row[name + "_gpu_ms"],
+                       "speedup_gpu_vs_best_bf16": row["bf16_best"]["gpu_ms"] / row[name + "_gpu_ms"]}
             if kw:  # every schedule computes the default's numbers (up to its accumulation order)
                 ref = lightning_indexer_fp8_tilelang(q, k, w, starts=st, ends=en)
                 variant["rel_l2_to_default"] = rel_l2(scores_fp8, ref)
@@ -150,23 +181,33 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--topk", type=int, default=BENCH_TOPK)
     parser.add_argument("--default-only", action="store_true", help="time only the fp8 kernel's default schedule")
+    parser.add_argument("--variants", default=None, help='fp8 schedules besides the default, "k=v:k=v;k=v"')
+    parser.add_argument("--bf16-variants", default=None, help="bf16 schedules besides its default, same format")
     parser.add_argument("--out", default="bench_indexer_fp8.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_indexer_fp8 needs a CUDA GPU")
         return 1
-    variants = [dict()] + ([] if args.default_only else INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE)
+    if args.variants is not None:
+        variants = [dict()] + parse_variants(args.variants)
+    else:
+        variants = [dict()] + ([] if args.default_only else INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE)
+    bf16_variants = parse_variants(args.bf16_variants) if args.bf16_variants is not None else INDEXER_BF16_RIVALS
     results = []
     for spec in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in spec.split("x"))
         print(f"# {num_q} queries x {num_kv} keys, indexer {H_I} x {D_I}", flush=True)
-        row = bench_shape(num_q, num_kv, reps=args.reps, topk=args.topk, variants=variants)
+        row = bench_shape(num_q, num_kv, reps=args.reps, topk=args.topk, variants=variants,
+                          bf16_variants=bf16_variants)
         results.append(row)
         best = row["fp8_best"]
         print(f"  speed-up fp8 / bf16 kernel: default {row['speedup_default_gpu']:.2f}x in GPU time "
               f"({row['speedup_default_call']:.2f}x per call); best schedule "
-              f"{ {k: v for k, v in best.items() if k in ('block_q', 'merge', 'pingpong', 'block_n')} } "
-              f"{best['speedup_gpu']:.2f}x; wrappers (quantisation included) {row['speedup_wrapper_gpu']:.2f}x", flush=True)
+              f"{ {k: v for k, v in best.items() if k in SCHEDULE_KEYS} } "
+              f"{best['speedup_gpu']:.2f}x, against the fastest bf16 schedule "
+              f"{ {k: v for k, v in row['bf16_best'].items() if k in SCHEDULE_KEYS} } "
+              f"{best['speedup_gpu_vs_best_bf16']:.2f}x; wrappers (quantisation included) "
+              f"{row['speedup_wrapper_gpu']:.2f}x", flush=True)
         print(f"  fp8 vs simulation rel L2 {row['fp8_rel_l2_to_simulation']:.2e}; to exact: fp8 "
               f"{row['fp8_rel_l2_to_exact']:.2e}, bf16 {row['bf16_rel_l2_to_exact']:.2e}; top-{args.topk} overlap "
               f"fp8 vs bf16 {row['topk_overlap_fp8_vs_bf16']:.4f}", flush=True)

@@ -1,6 +1,6 @@
 """Compile every TileLang kernel the GPU tests and benchmarks use, in parallel processes.
 
-    python benchmarks/precompile_kernels.py [--jobs N] [--tune]
+    python benchmarks/precompile_kernels.py [--jobs N] [--tune] [--only indexer,indexer_fp8]
 
 TileLang keeps compiled kernels in its disk cache (``~/.tilelang/cache``), so later processes
 load them in milliseconds. Set ``DSA_REF_TILELANG_ARCH=sm_90a`` to compile for Hopper on a machine
@@ -35,6 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--tune", action="store_true", help="also the variants of benchmarks/tune_kernels.py")
+    parser.add_argument("--only", default="", help="comma list of builder names (e.g. indexer,indexer_fp8): only those")
     args = parser.parse_args()
     jobs = kernel_set()
     if args.tune:
@@ -42,6 +43,8 @@ def main() -> int:
         from tune_kernels import variant_builds
 
         jobs += variant_builds()
+    if args.only:
+        jobs = [job for job in jobs if job[0] in args.only.split(",")]
     t0 = time.time()
     failed = 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:

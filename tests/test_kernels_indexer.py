@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsa_ref import cp_shard_index, key_windows, lightning_indexer
-from dsa_ref.kernels.shapes import INDEXER_SCHEDULES
+from dsa_ref.kernels.shapes import INDEXER_SCHEDULES, PERSISTENT_BF16
 from gpu_helpers import max_abs, requires_kernels
 
 pytestmark = [requires_kernels, pytest.mark.gpu]
@@ -72,13 +72,23 @@ def test_indexer_schedules(schedule):
     _check(q[:301].contiguous(), k, w[:301].contiguous(), None, None, schedule)
 
 
+@pytest.mark.parametrize("schedule", [dict(consumers=2), PERSISTENT_BF16], ids=["ws", "persistent"])
 @pytest.mark.parametrize("H", [16, 32])
-def test_indexer_warp_specialised_schedule_other_heads(H):
+def test_indexer_warp_specialised_schedule_other_heads(H, schedule):
     cu = torch.tensor([0, 1, 100, 100, 333, 700])
     q, k, w = _inputs(700, 700, H, seed=H + 7)
     starts, ends = key_windows(cu)
-    _check(q, k, w, starts.cuda(), ends.cuda(), dict(consumers=2))
-    _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, dict(consumers=2))
+    _check(q, k, w, starts.cuda(), ends.cuda(), schedule)
+    _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, schedule)
+
+
+def test_indexer_persistent_more_pairs_than_blocks():
+    """389 query pairs on 132 resident blocks (each walks three), an odd T, S not a multiple of the
+    192-key stage, packed windows."""
+    cu = torch.tensor([0, 37, 38, 501, 777])
+    q, k, w = _inputs(777, 777, 64, seed=21)
+    starts, ends = key_windows(cu)
+    _check(q, k, w, starts.cuda(), ends.cuda(), PERSISTENT_BF16)
 
 
 def test_indexer_backward_equals_reference():

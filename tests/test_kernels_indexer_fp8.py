@@ -27,7 +27,7 @@ import torch
 
 from dsa_ref import cp_shard_index, key_windows, lightning_indexer
 from dsa_ref.fp8 import fp8_dequant, fp8_roundtrip
-from dsa_ref.kernels.shapes import INDEXER_FP8_SCHEDULES
+from dsa_ref.kernels.shapes import INDEXER_FP8_SCHEDULES, PERSISTENT_FP8
 from gpu_helpers import rel_l2, requires_kernels
 
 pytestmark = [requires_kernels, pytest.mark.gpu]
@@ -60,6 +60,20 @@ def _scores(q, k, w, starts, ends, schedule, relu):
         indexer_fp8_kernel(q.shape[1], q.shape[2], relu, **schedule)(q8, qs, k8, ks, w.float(), st, en, got)
         assert not torch.isnan(got).any(), "every entry is written"
     return got, (q8, qs, k8, ks)
+
+
+def _quantize(q, k):
+    from dsa_ref.kernels.indexer_fwd_fp8 import quantize_indexer_operands
+
+    return quantize_indexer_operands(q, k)
+
+
+def fp8_scores(q, k, w, starts, ends, schedule):
+    """The scores through the public path with a schedule's knobs (`fp8_indexer_scores_tilelang`)."""
+    from dsa_ref.kernels.indexer_fwd_fp8 import fp8_indexer_scores_tilelang
+
+    q8, qs, k8, ks = _quantize(q, k)
+    return fp8_indexer_scores_tilelang(q8, qs, k8, ks, w, starts=starts, ends=ends, **schedule)
 
 
 def _check(q, k, w, starts, ends, schedule=None, relu=True):
@@ -113,13 +127,24 @@ def test_fp8_indexer_schedules(schedule):
     _check(q[:301].contiguous(), k, w[:301].contiguous(), None, None, schedule)
 
 
+@pytest.mark.parametrize("schedule", [dict(consumers=2), PERSISTENT_FP8], ids=["ws", "persistent"])
 @pytest.mark.parametrize("H", [16, 32])
-def test_fp8_indexer_warp_specialised_schedule_other_heads(H):
+def test_fp8_indexer_warp_specialised_schedule_other_heads(H, schedule):
     cu = torch.tensor([0, 1, 100, 100, 333, 700])
     q, k, w = _inputs(700, 700, H, seed=H + 7)
     starts, ends = key_windows(cu)
-    _check(q, k, w, starts.cuda(), ends.cuda(), dict(consumers=2))
-    _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, dict(consumers=2))
+    _check(q, k, w, starts.cuda(), ends.cuda(), schedule)
+    _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, schedule)
+
+
+def test_fp8_indexer_persistent_more_pairs_than_blocks():
+    """389 query pairs on 132 resident blocks (each walks three), an odd T, and S not a multiple of
+    the 192-key stage, with packed windows: every pair's scores, wherever it runs."""
+    cu = torch.tensor([0, 37, 38, 501, 777])
+    q, k, w = _inputs(777, 777, 64, seed=21)
+    starts, ends = key_windows(cu)
+    _check(q, k, w, starts.cuda(), ends.cuda(), PERSISTENT_FP8)
+    _check(q, k, w, None, None, PERSISTENT_FP8, relu=False)
 
 
 @pytest.mark.parametrize("junk", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -132,12 +157,13 @@ def test_fp8_indexer_ignores_keys_outside_the_window(junk):
     q, k, w = _inputs(700, 700, 64, seed=11)
     dirty = k.clone()
     dirty[450] = junk  # a key of the third sequence
-    a = lightning_indexer_fp8_tilelang(q, k, w, starts=starts, ends=ends)
-    b = lightning_indexer_fp8_tilelang(q, dirty, w, starts=starts, ends=ends)
     outside = torch.ones(700, dtype=torch.bool, device="cuda")
     outside[450:] = False  # queries 450.. read key 450
-    assert torch.equal(a[outside], b[outside])
-    assert not torch.isnan(b[outside]).any()
+    for schedule in ({}, PERSISTENT_FP8):
+        a = fp8_scores(q, k, w, starts, ends, schedule)
+        b = fp8_scores(q, dirty, w, starts, ends, schedule)
+        assert torch.equal(a[outside], b[outside]), schedule
+        assert not torch.isnan(b[outside]).any(), schedule
 
 
 def test_fp8_indexer_takes_prequantised_operands_and_declines_others():

@@ -22,6 +22,7 @@ import tilelang
 import tilelang.language as T
 
 from ._target import compile_target
+from .indexer_fwd_persistent import indexer_persistent_kernel
 from .indexer_fwd_ws import indexer_ws_kernel
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
@@ -36,7 +37,7 @@ STAGES = 2  # its key tiles in flight
 @functools.lru_cache(maxsize=None)
 def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BLOCK_Q, pingpong: bool = False,
                    block_n: int = BLOCK_N, merge: int = 2, min_blocks: int = 0,
-                   consumers: int = CONSUMERS, stages: int = STAGES):
+                   consumers: int = CONSUMERS, stages: int = STAGES, persistent: bool = False):
     """Compile the indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
 
     Kernel arguments: ``Q [T, H_I, D_I]`` bf16, ``K [S, D_I]`` bf16, ``W [T, H_I]`` fp32,
@@ -59,7 +60,12 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BL
       `indexer_fwd_ws.indexer_ws_kernel`, with that many consumer warpgroups and ``stages`` key
       tiles in flight; the knobs above are those of ``consumers=0``, one warpgroup doing
       everything in turn.
+    * ``persistent``: `indexer_fwd_persistent.indexer_persistent_kernel`, one resident block per SM
+      with ``consumers`` (2-4) consumer warpgroups and ``stages`` key tiles in flight.
     """
+    if persistent:  # one resident block per SM, DeepGEMM's scheme
+        return indexer_persistent_kernel(heads, dim, relu, fp8=False, consumers=consumers, stages=stages,
+                                         pingpong=pingpong)
     if consumers:  # the warp-specialised schedule
         return indexer_ws_kernel(heads, dim, relu, fp8=False, consumers=consumers, stages=stages)
     if heads not in (16, 32, 64):

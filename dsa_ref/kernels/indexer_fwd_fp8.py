@@ -41,6 +41,7 @@ import torch
 
 from ..fp8 import act_quant_pow2
 from ._target import compile_target
+from .indexer_fwd_persistent import indexer_persistent_kernel
 from .indexer_fwd_ws import indexer_ws_kernel
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
@@ -56,15 +57,19 @@ FP8_DTYPE = "float8_e4m3fn"  # torch.float8_e4m3fn: no infinities, max 448
 @functools.lru_cache(maxsize=None)
 def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BLOCK_Q, pingpong: bool = False,
                        block_n: int = BLOCK_N, merge: int = 2, min_blocks: int = MIN_BLOCKS,
-                       consumers: int = 0, stages: int = 2):
+                       consumers: int = 0, stages: int = 2, persistent: bool = False):
     """Compile the fp8 indexer-score kernel for ``H_I = heads`` (16, 32 or 64) and ``D_I = dim``.
 
     Kernel arguments: ``Q [T, H_I, D_I]`` e4m3, ``QS [T, H_I]`` fp32 (one scale per query head),
     ``K [S, D_I]`` e4m3, ``KS [S]`` fp32 (one scale per key), ``W [T, H_I]`` fp32, ``Starts [T]``,
     ``Ends [T]`` int32, ``Scores [T, S]`` fp32 (written in place, every entry: ``-inf`` outside the
     query's window). The knobs are those of `dsa_ref.kernels.indexer_fwd.indexer_kernel`; here
-    ``consumers`` defaults to 0 (one warpgroup) and ``min_blocks`` to ``MIN_BLOCKS``.
+    ``consumers`` defaults to 0 (one warpgroup) and ``min_blocks`` to ``MIN_BLOCKS``; ``persistent``
+    selects `indexer_fwd_persistent.indexer_persistent_kernel` with ``consumers`` (2-4) and ``stages``.
     """
+    if persistent:  # one resident block per SM, DeepGEMM's scheme
+        return indexer_persistent_kernel(heads, dim, relu, fp8=True, consumers=consumers, stages=stages,
+                                         pingpong=pingpong)
     if consumers:  # the warp-specialised schedule
         return indexer_ws_kernel(heads, dim, relu, fp8=True, consumers=consumers, stages=stages)
     if heads not in (16, 32, 64):

@@ -35,6 +35,27 @@ BLOCK_Q = 2  # queries per block: the GEMM's N = 2 H_I
 SUB = 64  # keys per consumer per stage: one warpgroup MMA's M
 
 
+def score_prim_func(body, heads: int, dim: int, fp8: bool, num_q, num_kv):
+    """The kernel signature the index-score kernels share, around their ``body`` macro:
+    ``(Q, K, W, Starts, Ends, Scores)`` in bf16, ``(Q, QS, K, KS, W, Starts, Ends, Scores)`` in fp8
+    (e4m3 operands with fp32 scales); ``num_q``, ``num_kv`` are the kernel's dynamic sizes."""
+    dtype, f32 = ("float8_e4m3fn" if fp8 else "bfloat16"), "float32"
+    if fp8:
+        @T.prim_func
+        def main(Q: T.Tensor((num_q, heads, dim), dtype), QS: T.Tensor((num_q, heads), f32),
+                 K: T.Tensor((num_kv, dim), dtype), KS: T.Tensor((num_kv,), f32),
+                 W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
+                 Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
+            body(Q, QS, K, KS, W, Starts, Ends, Scores)
+    else:
+        @T.prim_func
+        def main(Q: T.Tensor((num_q, heads, dim), dtype), K: T.Tensor((num_kv, dim), dtype),
+                 W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
+                 Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
+            body(Q, None, K, None, W, Starts, Ends, Scores)
+    return main
+
+
 # --8<-- [start:indexer_ws_kernel]
 @functools.lru_cache(maxsize=None)
 def indexer_ws_kernel(heads: int, dim: int, relu: bool = True, *, fp8: bool = False, consumers: int = 2,
@@ -181,19 +202,6 @@ def indexer_ws_kernel(heads: int, dim: int, relu: bool = True, *, fp8: bool = Fa
                 else:
                     stream(t0, first_tile, n_tiles, *io, *bars)
 
-    if fp8:
-        @T.prim_func
-        def main(Q: T.Tensor((num_q, heads, dim), dtype), QS: T.Tensor((num_q, heads), f32),
-                 K: T.Tensor((num_kv, dim), dtype), KS: T.Tensor((num_kv,), f32),
-                 W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
-                 Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
-            body(Q, QS, K, KS, W, Starts, Ends, Scores)
-    else:
-        @T.prim_func
-        def main(Q: T.Tensor((num_q, heads, dim), dtype), K: T.Tensor((num_kv, dim), dtype),
-                 W: T.Tensor((num_q, heads), f32), Starts: T.Tensor((num_q,), "int32"),
-                 Ends: T.Tensor((num_q,), "int32"), Scores: T.Tensor((num_q, num_kv), f32)):
-            body(Q, None, K, None, W, Starts, Ends, Scores)
-
-    return tilelang.compile(main, pass_configs=_PASS, target=compile_target())
+    return tilelang.compile(score_prim_func(body, heads, dim, fp8, num_q, num_kv), pass_configs=_PASS,
+                            target=compile_target())
 # --8<-- [end:indexer_ws_kernel]

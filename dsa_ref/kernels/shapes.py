@@ -46,16 +46,30 @@ BACKWARD_SCHEDULES = [
 # (`indexer_fwd_ws`, the default with one consumer) with two or three consumers.
 INDEXER_SCHEDULES = [dict(consumers=0), dict(consumers=0, merge=1, pingpong=True), dict(consumers=0, merge=1),
                      dict(consumers=0, block_q=4, pingpong=True), dict(consumers=0, min_blocks=4),
-                     dict(consumers=2), dict(consumers=3)]
+                     dict(consumers=2), dict(consumers=3), dict(persistent=True, consumers=3, stages=2),
+                     dict(persistent=True, consumers=2, stages=3, pingpong=True)]
 
 # The fp8 indexer's (`indexer_fwd_fp8.indexer_fp8_kernel`, the same knobs) tested schedules besides its
 # default; with fp8 operands the queries of a block take half the shared memory, so more of them fit.
 # `INDEXER_FP8_TUNE` adds what benchmarks/bench_indexer_fp8.py and tune_kernels.py time besides.
 INDEXER_FP8_SCHEDULES = [dict(merge=1, pingpong=True), dict(block_q=4), dict(block_q=4, pingpong=True),
-                         dict(min_blocks=0), dict(consumers=1), dict(consumers=2), dict(consumers=3)]
+                         dict(min_blocks=0), dict(consumers=1), dict(consumers=2), dict(consumers=3),
+                         dict(persistent=True, consumers=3, stages=4),
+                         dict(persistent=True, consumers=2, stages=4, pingpong=True)]
 INDEXER_FP8_TUNE = [dict(min_blocks=5), dict(consumers=1, stages=3), dict(consumers=1, stages=4),
-                    dict(consumers=3, stages=3)]
-INDEXER_TUNE = [dict(stages=3), dict(stages=4)]  # the default (one consumer) with more key tiles in flight
+                    dict(consumers=3, stages=3), dict(persistent=True, consumers=3, stages=2),
+                    dict(persistent=True, consumers=3, stages=3), dict(persistent=True, consumers=2, stages=4),
+                    dict(persistent=True, consumers=4, stages=4), dict(persistent=True, consumers=4, stages=3),
+                    dict(persistent=True, consumers=2, stages=3, pingpong=True)]
+INDEXER_TUNE = [dict(stages=3), dict(stages=4),  # the default (one consumer) with more key tiles in flight
+                dict(persistent=True, consumers=3, stages=3), dict(persistent=True, consumers=2, stages=3),
+                dict(persistent=True, consumers=4, stages=2), dict(persistent=True, consumers=2, stages=4, pingpong=True)]
+# The bf16 schedules benchmarks/bench_indexer_fp8.py times besides the bf16 default, so that the fp8
+# kernel's speed-up is also stated against the fastest bf16 kernel of the run.
+INDEXER_BF16_RIVALS = [dict(persistent=True, consumers=3, stages=2)]
+# The persistent schedules (`indexer_fwd_persistent`) the tests also run at 16 and 32 heads.
+PERSISTENT_BF16, PERSISTENT_FP8 = dict(persistent=True, consumers=3, stages=2), dict(persistent=True, consumers=3,
+                                                                                        stages=4)
 
 
 # The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default
@@ -82,8 +96,11 @@ def kernel_set():
     for h in INDEXER_HEADS:
         jobs.append(("indexer_fp8", (h, INDEXER_DIM, True)))
     jobs.append(("indexer_fp8", (64, INDEXER_DIM, False)))
+    jobs.append(("indexer_fp8", (64, INDEXER_DIM, False), PERSISTENT_FP8))
     jobs += [("indexer_fp8", (64, INDEXER_DIM, True), kw) for kw in INDEXER_FP8_SCHEDULES]
     jobs += [(name, (h, INDEXER_DIM, True), dict(consumers=2)) for h in (16, 32) for name in ("indexer", "indexer_fp8")]
+    jobs += [(name, (h, INDEXER_DIM, True), kw) for h in (16, 32)
+             for name, kw in (("indexer", PERSISTENT_BF16), ("indexer_fp8", PERSISTENT_FP8))]
     jobs.append(("scores_at", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at_backward", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at", (16, 64, True)))

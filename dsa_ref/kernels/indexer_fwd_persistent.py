@@ -1,0 +1,329 @@
+r"""TileLang kernel: lightning-indexer scores, persistent and warp-specialised (bf16 or fp8 operands).
+
+The same scores as `indexer_fwd_ws.indexer_ws_kernel`, with DeepGEMM's scheme for its fp8 MQA
+logits (``sm90_fp8_mqa_logits``): one block per SM stays resident and walks the query pairs
+``bx, bx + G, ...`` (last queries first), so a block's start-up (the query tile, its weights and
+windows) never leaves the SM idle, and up to four consumer warpgroups share it:
+
+* **consumers** (``consumers`` warpgroups, 2-4): consumer ``c`` takes keys ``64 c ... 64 c + 63``
+  of every stage, runs one tensor-core GEMM ``logits [64 keys, 2 H_I] = K_sub @ [q[t]; q[t+1]]^T``,
+  releases the stage, and then does the ReLU, the head weights (in registers), the sum over heads
+  and the key scale (fp8) and **writes its scores itself** (``-inf`` outside each query's window):
+  each thread holds two keys' rows, so no score passes through shared memory.
+* **the streamer** (the last 128 threads): prepares the next query pair while the consumers work
+  on this one (its ``[2 H_I, D_I]`` queries by ``cp.async``, the weights times the query scales,
+  the windows and the pair's key-tile range, into the free one of two query buffers); keeps
+  ``stages`` key tiles of ``64 consumers`` keys in flight (bulk-tensor copies; the fp8 key scales
+  by ``cp.async`` beside them); and writes the ``-inf`` of the tiles no query of a pair can see.
+
+The streamer gives up registers to the consumers (``setmaxnreg``): two or three consumers keep
+their ``64`` fp32 accumulators and ``32`` head weights in registers; four (104 registers each) read
+the weights from shared memory instead. With ``pingpong`` two consumers (224 registers) keep two
+accumulators each and start the next tile's GEMM before the epilogue of this one, so each
+overlaps its own tensor-core work with its CUDA-core work. The key tile counter runs on across
+query pairs, so the pipeline never drains between them. Barriers: ``q_ready`` / ``q_free`` per
+query buffer, ``k_ready`` / ``k_free`` per key stage.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from ._target import compile_target
+from .indexer_fwd_ws import score_prim_func
+
+_PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,  # the roles are written out here
+         tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}  # and so are the bulk copies
+
+BLOCK_Q = 2  # queries per pair: the GEMM's N = 2 H_I
+SUB = 64  # keys per consumer per stage: one warpgroup MMA's M
+NUM_SMS = 132  # resident blocks (H100 SXM and H200: 132 SMs); a grid larger than the SMs still runs
+STREAMER_REGS = 56  # registers a streamer thread keeps (setmaxnreg); the consumers share the rest
+
+
+def consumer_regs(consumers: int) -> int:
+    """Registers a consumer thread asks for (``setmaxnreg``): what the block holds from its launch
+    (``65536 / threads`` each, in steps of 8), less the streamer's, shared among the consumers, in
+    steps of 8: 224, 152, 104 for two, three, four consumers. Asking for more than the block holds
+    would hang it (``setmaxnreg.inc`` waits for registers nobody frees)."""
+    threads = 128 * (consumers + 1)
+    launch = 65536 // threads // 8 * 8  # 168, 128, 96
+    return (launch * threads - 128 * STREAMER_REGS) // (128 * consumers) // 8 * 8
+
+
+# --8<-- [start:indexer_persistent_kernel]
+@functools.lru_cache(maxsize=None)
+def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: bool = False, consumers: int = 4,
+                              stages: int = 2, pingpong: bool = False, grid: int = NUM_SMS):
+    """Compile the persistent indexer-score kernel for ``H_I = heads`` (16, 32, 64), ``D_I = dim``.
+
+    The arguments of `indexer_fwd.indexer_kernel` (``fp8=False``) or of
+    `indexer_fwd_fp8.indexer_fp8_kernel` (``fp8=True``); ``Scores [T, S]`` fp32 is written in place,
+    every entry. ``consumers`` (2-4) consumer warpgroups, ``stages`` (2-4) key tiles of
+    ``64 consumers`` keys in flight (the shared memory must hold them: bf16 with four consumers
+    takes two), ``pingpong`` (two consumers only): each consumer keeps two accumulators and starts
+    the next tile's GEMM before the epilogue of this one; ``grid`` resident blocks (at most one per
+    query pair).
+    """
+    if heads not in (16, 32, 64):
+        raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
+    step = 32 if fp8 else 16  # channels per warpgroup MMA step
+    if dim % step:
+        raise ValueError(f"indexer head dim must be a multiple of {step} here, got {dim}")
+    if consumers not in (2, 3, 4) or stages not in (2, 3, 4):
+        raise ValueError(f"consumers must be 2, 3 or 4 and stages 2, 3 or 4, got {consumers} and {stages}")
+    if pingpong and consumers != 2:
+        raise ValueError(f"pingpong keeps two accumulators and needs two consumers (224 registers), got {consumers}")
+    block_n = SUB * consumers  # keys per stage
+    w_smem = consumers == 4  # four consumers read the weights from shared memory: 32 registers fewer
+    elem = 1 if fp8 else 2  # bytes per operand element
+    smem = (2 * BLOCK_Q * heads + stages * block_n) * dim * elem
+    if smem > 216 * 1024:
+        raise ValueError(f"{stages} stages of {block_n} keys and two query buffers need {smem} bytes of shared "
+                         "memory, more than the 216 KiB this kernel allows itself: use fewer stages or consumers")
+    num_q, num_kv = T.dynamic("num_q"), T.dynamic("num_kv")
+    dtype = "float8_e4m3fn" if fp8 else "bfloat16"
+    f32 = "float32"
+    chunk = 16 // elem  # elements per 16-byte cp.async
+    q_chunks = BLOCK_Q * heads * dim // chunk // 128  # cp.async per streamer thread per query pair
+
+    def pair_t0(bx, j, nqb, G):
+        """First query of the ``j``-th pair of block ``bx``: pairs ``bx, bx + G, ...``, counted from the end."""
+        return (nqb - 1 - (bx + j * G)) * BLOCK_Q
+
+    @T.macro
+    def prepare(p, t0, qb, Q, QS, W, Starts, Ends, q_s, w_s, meta_s, q_ready, q_free, parity, nxt_first, nxt_tiles):
+        """Streamer thread ``p``: the pair at ``t0`` into query buffer ``qb`` (``q_free`` waited with
+        ``parity``); ``meta_s[qb] = (start_0, end_0, start_1, end_1, first tile, tiles)``, and the
+        first tile and tile count in ``nxt_first``, ``nxt_tiles``. A pair past the last query
+        repeats it: its columns are computed and never stored."""
+        t_a = T.min(t0, num_q - 1)
+        t_b = T.min(t0 + 1, num_q - 1)
+        lo = T.min(T.min(Starts[t_a], Starts[t_b]), num_kv)  # the keys either query can see
+        hi = T.max(T.max(Ends[t_a], Ends[t_b]), 0)
+        nxt_first[0] = lo // block_n
+        nxt_tiles[0] = T.max(T.ceildiv(hi, block_n), lo // block_n) - lo // block_n
+        T.barrier_wait(q_free[qb], parity)
+        for u in T.unroll(q_chunks):
+            r = (u * 128 + p) // (dim // chunk)  # row qi * H_I + h of the buffer
+            col = ((u * 128 + p) % (dim // chunk)) * chunk
+            T.ptx_cp_async(T.access_ptr(q_s[qb, r, col], "w", chunk),
+                           T.access_ptr(Q[T.min(t0 + r // heads, num_q - 1), r % heads, col], "r", chunk),
+                           chunk)
+        T.cp_async_barrier_noinc(q_ready[qb])  # arrives once this thread's copies have landed
+        for u in T.unroll((BLOCK_Q * heads + 127) // 128):  # the weights (times the query scales)
+            i = u * 128 + p
+            if i < BLOCK_Q * heads:
+                t = T.min(t0 + i // heads, num_q - 1)
+                if fp8:
+                    w_s[qb, i // heads, i % heads] = T.if_then_else(t0 + i // heads < num_q,
+                                                                   W[t, i % heads] * QS[t, i % heads], 0)
+                else:
+                    w_s[qb, i // heads, i % heads] = T.if_then_else(t0 + i // heads < num_q, W[t, i % heads], 0)
+        if p == 0:
+            meta_s[qb, 0] = Starts[t_a]
+            meta_s[qb, 1] = Ends[t_a]
+            meta_s[qb, 2] = Starts[t_b]
+            meta_s[qb, 3] = Ends[t_b]
+            meta_s[qb, 4] = nxt_first[0]
+            meta_s[qb, 5] = nxt_tiles[0]
+        T.barrier_arrive(q_ready[qb])  # (a plain arrive releases the weights and windows written above)
+
+    @T.macro
+    def load_tile(p, it, s0, K, KS, k_s, ks_s, k_ready, k_free):
+        """Streamer: key tile ``it`` (keys ``s0 ...``) into stage ``it % stages`` once it is free."""
+        stage = it[0] % stages
+        T.barrier_wait(k_free[stage], ((it[0] // stages) & 1) ^ 1)
+        T.tma_copy(K[s0:s0 + block_n, :], k_s[stage, :, :], barrier=k_ready[stage])  # rows past S: zeros
+        if fp8:
+            for u in T.unroll(T.ceildiv(block_n, 128)):  # (three consumers: 192 keys, 1.5 per thread)
+                if u * 128 + p < block_n and s0 + u * 128 + p < num_kv:
+                    T.ptx_cp_async(T.access_ptr(ks_s[stage, u * 128 + p], "w", 1),
+                                   T.access_ptr(KS[s0 + u * 128 + p], "r", 1), 1)
+            T.cp_async_barrier_noinc(k_ready[stage])
+        else:
+            T.barrier_arrive(k_ready[stage])
+
+    @T.macro
+    def stream(p, bx, nqb, G, n_pairs, Q, QS, K, KS, W, Starts, Ends, Scores, q_s, w_s, meta_s, k_s, ks_s,
+               q_ready, q_free, k_ready, k_free, it, first, tiles, nxt_first, nxt_tiles):
+        """The streamer warpgroup (thread ``p`` of 128) over the block's pairs."""
+        args_q = (Q, QS, W, Starts, Ends, q_s, w_s, meta_s, q_ready, q_free)
+        prepare(p, pair_t0(bx, 0, nqb, G), 0, *args_q, 1, nxt_first, nxt_tiles)
+        it[0] = 0
+        for j in T.serial(n_pairs):
+            qb = j % 2
+            t0 = pair_t0(bx, j, nqb, G)
+            first[0] = nxt_first[0]
+            tiles[0] = nxt_tiles[0]
+            for kt in T.serial(tiles[0]):
+                load_tile(p, it, (first[0] + kt) * block_n, K, KS, k_s, ks_s, k_ready, k_free)
+                it[0] = it[0] + 1
+                # the next pair once this one's first tiles are in flight: its buffer is free when
+                # the consumers finish the previous pair, which is then at most `stages` tiles away
+                if kt == T.min(stages, tiles[0]) - 1 and j + 1 < n_pairs:
+                    prepare(p, pair_t0(bx, j + 1, nqb, G), 1 - qb, *args_q, (((j + 1) // 2) & 1) ^ 1,
+                            nxt_first, nxt_tiles)
+            if tiles[0] == 0 and j + 1 < n_pairs:
+                prepare(p, pair_t0(bx, j + 1, nqb, G), 1 - qb, *args_q, (((j + 1) // 2) & 1) ^ 1,
+                        nxt_first, nxt_tiles)
+            for kt in T.serial(T.ceildiv(num_kv, block_n)):  # the tiles no query of the pair can see
+                if kt < first[0] or kt >= first[0] + tiles[0]:
+                    for qi, n in T.Parallel(BLOCK_Q, block_n):
+                        if t0 + qi < num_q and kt * block_n + n < num_kv:
+                            Scores[t0 + qi, kt * block_n + n] = -T.infinity(f32)
+
+    @T.macro
+    def issue(c, it_n, qb, k_s, q_s, logits, k_ready, asynchronous):
+        """Consumer ``c``: wait for key tile ``it_n`` (the running tile counter), then start
+        ``logits [64 keys, 2 H_I] = K_sub @ [q[t0]; q[t0 + 1]]^T`` (``asynchronous``: without waiting)."""
+        stage = it_n % stages
+        T.barrier_wait(k_ready[stage], (it_n // stages) & 1)
+        if asynchronous:
+            T.wgmma_gemm(k_s[stage, c * SUB:(c + 1) * SUB, :], q_s[qb, :, :], logits, transpose_B=True,
+                         clear_accum=True)
+        else:
+            T.gemm(k_s[stage, c * SUB:(c + 1) * SUB, :], q_s[qb, :, :], logits, transpose_B=True,
+                   clear_accum=True)
+
+    @T.macro
+    def release(c, it_n, ks_s, ks_f, k_free):
+        """Consumer ``c``: the GEMM of key tile ``it_n`` has read it; keep its key scales (fp8), hand it back."""
+        if fp8:
+            for n in T.Parallel(SUB):
+                ks_f[n] = ks_s[it_n % stages, c * SUB + n]
+        T.barrier_arrive(k_free[it_n % stages])
+
+    @T.macro
+    def epilogue(c, kt, qb, t0, Scores, w_s, logits, part, row, ks_f, w_f, win, first):
+        """``Scores[t0 + qi, s0 + n] = ks[n] * sum_h w[qi, h] relu(logits[n, qi H_I + h])`` for the
+        consumer's 64 keys ``s0 ...`` of the pair's tile ``kt``, ``-inf`` outside each query's window."""
+        s0 = (first[0] + kt) * block_n + c * SUB
+        for qi in T.unroll(BLOCK_Q):  # query qi owns the columns qi*H_I .. (qi+1)*H_I-1
+            for n, h in T.Parallel(SUB, heads):
+                w = w_s[qb, qi, h] if w_smem else w_f[qi, h]
+                if relu:
+                    part[n, h] = T.max(logits[n, qi * heads + h], 0) * w
+                else:
+                    part[n, h] = logits[n, qi * heads + h] * w
+            T.reduce_sum(part, row, dim=1)  # [64]: the sum over heads
+            for n in T.Parallel(SUB):
+                if t0 + qi < num_q and s0 + n < num_kv:
+                    inside = s0 + n >= win[2 * qi] and s0 + n < win[2 * qi + 1]
+                    if fp8:
+                        Scores[t0 + qi, s0 + n] = T.if_then_else(inside, row[n] * ks_f[n], -T.infinity(f32))
+                    else:
+                        Scores[t0 + qi, s0 + n] = T.if_then_else(inside, row[n], -T.infinity(f32))
+
+    @T.macro
+    def consume(c, bx, nqb, G, n_pairs, Scores, q_s, w_s, meta_s, k_s, ks_s, logits, logits_b, part, row, ks_f,
+                w_f, win, q_ready, q_free, k_ready, k_free, it, first, tiles):
+        """Consumer ``c`` (a Python int): keys ``64 c ...`` of every stage of every pair of the block."""
+        it[0] = 0
+        for j in T.serial(n_pairs):
+            qb = j % 2
+            t0 = pair_t0(bx, j, nqb, G)
+            T.barrier_wait(q_ready[qb], (j // 2) & 1)
+            for i in T.unroll(2 * BLOCK_Q):
+                win[i] = meta_s[qb, i]  # start and end of query t0 + i // 2
+            first[0] = meta_s[qb, 4]
+            tiles[0] = meta_s[qb, 5]
+            if not w_smem:
+                for qi, h in T.Parallel(BLOCK_Q, heads):
+                    w_f[qi, h] = w_s[qb, qi, h]
+            args = (qb, t0, Scores, w_s)
+            if pingpong:
+                # tiles take turns in two accumulators: one's GEMM runs while the other's epilogue
+                # does; wait_wgmma(1) = "all but the newest GEMM are done". Every branch keeps one
+                # rule: on entry to the loop body the tile `it` is in flight in `logits`.
+                if tiles[0] > 0:  # (one branch, so that every path that starts a GEMM also waits for it)
+                    issue(c, it[0], qb, k_s, q_s, logits, k_ready, True)
+                    for kp in T.serial((tiles[0] - 1) // 2):  # tiles 2kp (in flight), 2kp+1, 2kp+2 exist
+                        issue(c, it[0] + 1, qb, k_s, q_s, logits_b, k_ready, True)
+                        T.wait_wgmma(1)
+                        release(c, it[0], ks_s, ks_f, k_free)
+                        epilogue(c, 2 * kp, *args, logits, part, row, ks_f, w_f, win, first)
+                        issue(c, it[0] + 2, qb, k_s, q_s, logits, k_ready, True)
+                        T.wait_wgmma(1)
+                        release(c, it[0] + 1, ks_s, ks_f, k_free)
+                        epilogue(c, 2 * kp + 1, *args, logits_b, part, row, ks_f, w_f, win, first)
+                        it[0] = it[0] + 2
+                    if tiles[0] % 2 == 0:  # the last two tiles
+                        issue(c, it[0] + 1, qb, k_s, q_s, logits_b, k_ready, True)
+                        T.wait_wgmma(1)
+                        release(c, it[0], ks_s, ks_f, k_free)
+                        epilogue(c, tiles[0] - 2, *args, logits, part, row, ks_f, w_f, win, first)
+                        T.wait_wgmma(0)
+                        release(c, it[0] + 1, ks_s, ks_f, k_free)
+                        epilogue(c, tiles[0] - 1, *args, logits_b, part, row, ks_f, w_f, win, first)
+                        it[0] = it[0] + 2
+                    else:  # the last tile
+                        T.wait_wgmma(0)
+                        release(c, it[0], ks_s, ks_f, k_free)
+                        epilogue(c, tiles[0] - 1, *args, logits, part, row, ks_f, w_f, win, first)
+                        it[0] = it[0] + 1
+            else:
+                for kt in T.serial(tiles[0]):
+                    issue(c, it[0], qb, k_s, q_s, logits, k_ready, False)
+                    release(c, it[0], ks_s, ks_f, k_free)  # (the scales before the stage is handed back)
+                    epilogue(c, kt, *args, logits, part, row, ks_f, w_f, win, first)
+                    it[0] = it[0] + 1
+            T.barrier_arrive(q_free[qb])  # every GEMM of the pair has read its queries
+
+    @T.macro
+    def body(Q, QS, K, KS, W, Starts, Ends, Scores):
+        nqb = T.ceildiv(num_q, BLOCK_Q)
+        G = T.min(grid, nqb)
+        with T.Kernel(G, threads=128 * (consumers + 1)) as bx:
+            q_s = T.alloc_shared((2, BLOCK_Q * heads, dim), dtype)  # query qi's heads on rows qi*H_I ...
+            k_s = T.alloc_shared((stages, block_n, dim), dtype)
+            ks_s = T.alloc_shared((stages, block_n), f32, scope="shared")  # fp8: the keys' scales
+            w_s = T.alloc_shared((2, BLOCK_Q, heads), f32, scope="shared")
+            meta_s = T.alloc_shared((2, 8), "int32", scope="shared")
+            logits = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) for _ in range(consumers)]  # [keys, (q, h)]
+            logits_b = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) if pingpong else None
+                        for _ in range(consumers)]  # pingpong: the second accumulator
+            part = [T.alloc_fragment((SUB, heads), f32) for _ in range(consumers)]  # one query's columns
+            row = [T.alloc_fragment((SUB,), f32) for _ in range(consumers)]
+            ks_f = [T.alloc_fragment((SUB,), f32) for _ in range(consumers)]  # fp8: key scales beside `row`
+            w_f = [T.alloc_fragment((BLOCK_Q, heads), f32) for _ in range(consumers)]
+            win = T.alloc_local((2 * BLOCK_Q,), "int32")
+            q_ready = T.alloc_barrier(arrive_count=[256, 256])  # cp.async arrivals + plain ones
+            q_free = T.alloc_barrier(arrive_count=[128 * consumers] * 2)
+            k_ready = T.alloc_barrier(arrive_count=[128] * stages)
+            k_free = T.alloc_barrier(arrive_count=[128 * consumers] * stages)
+            it = T.alloc_local((1,), "int32")
+            first = T.alloc_local((1,), "int32")
+            tiles = T.alloc_local((1,), "int32")
+            nxt_first = T.alloc_local((1,), "int32")  # the streamer's: the next pair's
+            nxt_tiles = T.alloc_local((1,), "int32")
+            tx = T.get_thread_binding()
+            n_pairs = T.ceildiv(nqb - bx, G)
+
+            bars = (q_ready, q_free, k_ready, k_free, it, first, tiles)
+            common = (bx, nqb, G, n_pairs, Scores, q_s, w_s, meta_s, k_s, ks_s)
+            regs = consumer_regs(consumers)
+            if tx < 128:
+                T.set_max_nreg(regs, 1)
+                consume(0, *common, logits[0], logits_b[0], part[0], row[0], ks_f[0], w_f[0], win, *bars)
+            elif tx < 256:
+                T.set_max_nreg(regs, 1)
+                consume(1, *common, logits[1], logits_b[1], part[1], row[1], ks_f[1], w_f[1], win, *bars)
+            elif tx < 128 * consumers:  # (consumers 2 and 3 of three or four)
+                T.set_max_nreg(regs, 1)
+                if consumers == 3:
+                    consume(2, *common, logits[2], logits_b[2], part[2], row[2], ks_f[2], w_f[2], win, *bars)
+                elif consumers == 4:
+                    if tx < 384:
+                        consume(2, *common, logits[2], logits_b[2], part[2], row[2], ks_f[2], w_f[2], win, *bars)
+                    else:
+                        consume(3, *common, logits[3], logits_b[3], part[3], row[3], ks_f[3], w_f[3], win, *bars)
+            else:
+                T.set_max_nreg(STREAMER_REGS, 0)
+                stream(tx - 128 * consumers, bx, nqb, G, n_pairs, Q, QS, K, KS, W, Starts, Ends, Scores, q_s, w_s,
+                       meta_s, k_s, ks_s, *bars, nxt_first, nxt_tiles)
+
+    return tilelang.compile(score_prim_func(body, heads, dim, fp8, num_q, num_kv), pass_configs=_PASS,
+                            target=compile_target())
+# --8<-- [end:indexer_persistent_kernel]
