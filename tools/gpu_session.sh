@@ -25,13 +25,15 @@
 #   kl         benchmarks/bench_slot_kl.py: the fused KL kernel, split into kernel, Function and wrapper
 #   longref    the readable reference's long-context points (bench_long_context.py --points, sparse 4K /
 #              64K / 128K and dense warm-up 64K; LONGREF_TIMEOUT seconds per point, default 400)
-#   fp8        the fp8 indexer alone: its GPU tests, then benchmarks/bench_indexer_fp8.py (fp8 vs bf16
-#              kernel, every fp8 schedule, accuracy against the simulation, top-k overlap)
+#   fp8        the indexers alone: the bf16 and fp8 indexer GPU tests, then benchmarks/bench_indexer_fp8.py
+#              (fp8 vs the bf16 default and its fastest schedules, every fp8 schedule, accuracy against
+#              the simulation, top-k overlap)
 # or one of the shorthands check = tests,tune, final = tests,refmem,cp,layers and
 # all = tests,tune,bench (the default).
 # Environment: TEST_TIMEOUT, TUNE_TIMEOUT (seconds); TUNE_KERNELS (default indexer,topk) and
 # TUNE_BACKWARD=0 narrow the tuning; DSA_REF_BENCH_QUEUE_AHEAD=1 makes bench_kernels.py measure GPU
 # time instead of one call on an idle GPU. PEERS_BUDGET (seconds, default 480) bounds bench_peers.
+# PRECOMPILE_ONLY (e.g. indexer,indexer_fp8,topk for `fp8`) compiles only those kernels up front.
 # At the end every report under $OUT except gpu.txt and the kernel cache is packed into
 # $OUT/reports.tar.gz (the device tool brings back only so many files); PACK=0 leaves them loose.
 set -uo pipefail
@@ -47,7 +49,8 @@ export DSA_REF_TILELANG_ARCH=sm_90a TILELANG_LOG_LEVEL=WARNING
 if [ -f .gpu/tl_cache.tar.xz ]; then mkdir -p ~/.tilelang && tar -C ~/.tilelang -xJf .gpu/tl_cache.tar.xz; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'tilelang', tilelang.__version__)" | tee -a "$OUT/gpu.txt"
-python3 benchmarks/precompile_kernels.py --jobs 16 --tune 2>&1 | tee "$OUT/precompile.log"
+python3 benchmarks/precompile_kernels.py --jobs 16 --tune ${PRECOMPILE_ONLY:+--only "$PRECOMPILE_ONLY"} 2>&1 \
+  | tee "$OUT/precompile.log"
 if has tests; then
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest --durations=15 tests/test_kernels_*.py tests/test_slot_path.py \
     -q -p no:cacheprovider -rs --maxfail=20 2>&1 | tee "$OUT/gpu_tests.log"
@@ -63,7 +66,8 @@ if has tune; then
   fi
 fi
 if has fp8; then
-  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/test_kernels_indexer_fp8.py -q -p no:cacheprovider -rs \
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/test_kernels_indexer_fp8.py tests/test_kernels_indexer.py \
+    -q -p no:cacheprovider -rs \
     --durations=10 2>&1 | tee "$OUT/gpu_tests_fp8.log"
   timeout 400 python3 benchmarks/bench_indexer_fp8.py --out "$OUT/bench_indexer_fp8.json" 2>&1 \
     | tee "$OUT/bench_indexer_fp8.log"

@@ -66,7 +66,8 @@ INDEXER_TUNE = [dict(stages=3), dict(stages=4),  # the default (one consumer) wi
                 dict(persistent=True, consumers=4, stages=2), dict(persistent=True, consumers=2, stages=4, pingpong=True)]
 # The bf16 schedules benchmarks/bench_indexer_fp8.py times besides the bf16 default, so that the fp8
 # kernel's speed-up is also stated against the fastest bf16 kernel of the run.
-INDEXER_BF16_RIVALS = [dict(persistent=True, consumers=3, stages=2)]
+INDEXER_BF16_RIVALS = [dict(persistent=True, consumers=2, stages=4, pingpong=True),
+                       dict(persistent=True, consumers=2, stages=3, pingpong=True), dict(persistent=True, consumers=3, stages=2)]
 # The persistent schedules (`indexer_fwd_persistent`) the tests also run at 16 and 32 heads.
 PERSISTENT_BF16, PERSISTENT_FP8 = dict(persistent=True, consumers=3, stages=2), dict(persistent=True, consumers=3,
                                                                                         stages=4)
