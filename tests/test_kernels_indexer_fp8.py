@@ -62,17 +62,11 @@ def _scores(q, k, w, starts, ends, schedule, relu):
     return got, (q8, qs, k8, ks)
 
 
-def _quantize(q, k):
-    from dsa_ref.kernels.indexer_fwd_fp8 import quantize_indexer_operands
-
-    return quantize_indexer_operands(q, k)
-
-
 def fp8_scores(q, k, w, starts, ends, schedule):
     """The scores through the public path with a schedule's knobs (`fp8_indexer_scores_tilelang`)."""
-    from dsa_ref.kernels.indexer_fwd_fp8 import fp8_indexer_scores_tilelang
+    from dsa_ref.kernels.indexer_fwd_fp8 import fp8_indexer_scores_tilelang, quantize_indexer_operands
 
-    q8, qs, k8, ks = _quantize(q, k)
+    q8, qs, k8, ks = quantize_indexer_operands(q, k)
     return fp8_indexer_scores_tilelang(q8, qs, k8, ks, w, starts=starts, ends=ends, **schedule)
 
 
@@ -150,8 +144,6 @@ def test_fp8_indexer_persistent_more_pairs_than_blocks():
 @pytest.mark.parametrize("junk", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_fp8_indexer_ignores_keys_outside_the_window(junk):
     """A NaN or Inf key quantises to NaN values and a NaN or Inf scale: only queries that see it may change."""
-    from dsa_ref.kernels.indexer_fwd_fp8 import lightning_indexer_fp8_tilelang
-
     cu = torch.tensor([0, 300, 301, 700], device="cuda")
     starts, ends = key_windows(cu)
     q, k, w = _inputs(700, 700, 64, seed=11)

@@ -69,8 +69,8 @@ INDEXER_TUNE = [dict(stages=3), dict(stages=4),  # the default (one consumer) wi
 INDEXER_BF16_RIVALS = [dict(persistent=True, consumers=2, stages=4, pingpong=True),
                        dict(persistent=True, consumers=2, stages=3, pingpong=True), dict(persistent=True, consumers=3, stages=2)]
 # The persistent schedules (`indexer_fwd_persistent`) the tests also run at 16 and 32 heads.
-PERSISTENT_BF16, PERSISTENT_FP8 = dict(persistent=True, consumers=3, stages=2), dict(persistent=True, consumers=3,
-                                                                                        stages=4)
+PERSISTENT_BF16 = dict(persistent=True, consumers=3, stages=2)
+PERSISTENT_FP8 = dict(persistent=True, consumers=3, stages=4)
 
 
 # The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default
