@@ -8,11 +8,13 @@ tokens, as in bench_kernels.py; indexer 64 heads x 128, random bf16 ``q`` and ``
 events, median of ``--reps`` runs after warm-up, both per call (one call on an idle GPU, host
 time included) and in GPU time (work queued ahead, see bench_kernels.cuda_time_ms):
 
-* the bf16 kernel alone (`indexer_fwd.indexer_kernel`), its default and its faster schedules
-  (``--bf16-variants``, by default ``shapes.INDEXER_BF16_RIVALS``), and its wrapper;
+* the bf16 kernel alone (`indexer_fwd.indexer_kernel`), in its default (``shapes.INDEXER_DEFAULT``,
+  the wrapper's schedule) and its other schedules (``--bf16-variants``, by default
+  ``shapes.INDEXER_BF16_RIVALS``), and its wrapper;
 * the fp8 kernel alone (`indexer_fwd_fp8.indexer_fp8_kernel`) on operands quantised beforehand
-  (DeepSeek quantises in the projections' epilogue), in its default and in every schedule of
-  ``shapes.INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE`` (or ``--variants``); the speed-up is
+  (DeepSeek quantises in the projections' epilogue), in its default (``shapes.INDEXER_FP8_DEFAULT``)
+  and in the builder's own defaults and every schedule of ``shapes.INDEXER_FP8_SCHEDULES +
+  INDEXER_FP8_TUNE`` (or ``--variants``); the speed-up is
   ``bf16 ms / fp8 ms``, against the bf16 default (``speedup_gpu``) and against the fastest bf16
   schedule of the run (``speedup_gpu_vs_best_bf16``, the honest one);
 * the quantisation alone (`quantize_indexer_operands`: `dsa_ref.fp8.act_quant_pow2` of q and k,
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_kernels import D_I, H_I, cuda_time_ms, run_meta  # noqa: E402
 from dsa_ref import key_windows, lightning_indexer  # noqa: E402
 from dsa_ref.kernels.shapes import (  # noqa: E402
-    BENCH_TOPK, INDEXER_BF16_RIVALS, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE)
+    BENCH_TOPK, INDEXER_BF16_RIVALS, INDEXER_DEFAULT, INDEXER_FP8_DEFAULT, INDEXER_FP8_SCHEDULES, INDEXER_FP8_TUNE)
 
 SAMPLE_ROWS = 512  # rows of the float64 simulation check
 SCHEDULE_KEYS = ("block_q", "merge", "pingpong", "block_n", "min_blocks", "consumers", "stages", "persistent")
@@ -84,7 +86,8 @@ def parse_variants(text: str) -> list[dict]:
 
 
 def variant_name(prefix: str, kw: dict) -> str:
-    return prefix + "".join(f"_{a}{b}" for a, b in kw.items())
+    """``bf16_kernel_consumers0``...; ``{}`` (the builder's own keyword defaults) is ``..._builder_default``."""
+    return prefix + ("".join(f"_{a}{b}" for a, b in kw.items()) or "_builder_default")
 
 
 def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list[dict],
@@ -112,10 +115,11 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
 
     with torch.no_grad():
         scores_bf16 = torch.empty(num_q, num_kv, device="cuda")
-        bf16 = indexer_kernel(H_I, D_I, True)
+        bf16 = indexer_kernel(H_I, D_I, True, **INDEXER_DEFAULT)
         wf = w.float().contiguous()
         timed("bf16_kernel", lambda: bf16(q, k, wf, st, en, scores_bf16))
-        row["bf16_variants"] = [{"gpu_ms": row["bf16_kernel_gpu_ms"], "call_ms": row["bf16_kernel_call_ms"]}]
+        row["bf16_variants"] = [{**INDEXER_DEFAULT, "gpu_ms": row["bf16_kernel_gpu_ms"],
+                                 "call_ms": row["bf16_kernel_call_ms"]}]
         for kw in bf16_variants:  # the bf16 kernel's faster schedules: the fp8 one is measured against the best
             name = variant_name("bf16_kernel", kw)
             kernel_b = indexer_kernel(H_I, D_I, True, **kw)
@@ -132,8 +136,8 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
         timed("fp8_wrapper", lambda: lightning_indexer_fp8_tilelang(q, k, w, starts=st, ends=en))
         scores_fp8 = torch.empty(num_q, num_kv, device="cuda")
         row["fp8_variants"] = []
-        for kw in variants:
-            name = variant_name("fp8_kernel", kw)
+        for kw in variants:  # the first is the default, INDEXER_FP8_DEFAULT
+            name = "fp8_kernel" if kw == INDEXER_FP8_DEFAULT else variant_name("fp8_kernel", kw)
             try:
                 kernel = indexer_fp8_kernel(H_I, D_I, True, **kw)
             except Exception as err:  # noqa: BLE001 - a variant that does not compile is recorded
@@ -144,7 +148,7 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, topk: int, variants: list
                        "speedup_call": row["bf16_kernel_call_ms"] / row[name + "_call_ms"],
                        "speedup_gpu": row["bf16_kernel_gpu_ms"] / row[name + "_gpu_ms"],
                        "speedup_gpu_vs_best_bf16": row["bf16_best"]["gpu_ms"] / row[name + "_gpu_ms"]}
-            if kw:  # every schedule computes the default's numbers (up to its accumulation order)
+            if kw != INDEXER_FP8_DEFAULT:  # every schedule computes the default's numbers (up to its accumulation order)
                 ref = lightning_indexer_fp8_tilelang(q, k, w, starts=st, ends=en)
                 variant["rel_l2_to_default"] = rel_l2(scores_fp8, ref)
             row["fp8_variants"].append(variant)
@@ -189,10 +193,12 @@ def main() -> int:
         print("bench_indexer_fp8 needs a CUDA GPU")
         return 1
     if args.variants is not None:
-        variants = [dict()] + parse_variants(args.variants)
+        others = parse_variants(args.variants)
     else:
-        variants = [dict()] + ([] if args.default_only else INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE)
+        others = [] if args.default_only else [dict()] + INDEXER_FP8_SCHEDULES + INDEXER_FP8_TUNE
+    variants = [INDEXER_FP8_DEFAULT] + [kw for kw in others if kw != INDEXER_FP8_DEFAULT]
     bf16_variants = parse_variants(args.bf16_variants) if args.bf16_variants is not None else INDEXER_BF16_RIVALS
+    bf16_variants = [kw for kw in bf16_variants if kw != INDEXER_DEFAULT]
     results = []
     for spec in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in spec.split("x"))

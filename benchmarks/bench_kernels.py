@@ -167,6 +167,7 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, ref_reps: int) -> dict:
         # the fp8 indexer (benchmarks/bench_indexer_fp8.py has its schedules, accuracy and top-k overlap):
         # the wrapper (quantisation included) and the kernel alone on operands quantised beforehand
         from dsa_ref.kernels.indexer_fwd import indexer_kernel
+        from dsa_ref.kernels.shapes import INDEXER_DEFAULT, INDEXER_FP8_DEFAULT
         from dsa_ref.kernels.indexer_fwd_fp8 import (
             indexer_fp8_kernel, lightning_indexer_fp8_tilelang, quantize_indexer_operands)
 
@@ -174,10 +175,10 @@ def bench_shape(num_q: int, num_kv: int, *, reps: int, ref_reps: int) -> dict:
         q8, qs, k8, ks = quantize_indexer_operands(iq, ik)
         st32, en32, iwf = st.to(torch.int32), en.to(torch.int32), iw.float().contiguous()
         idx_out = torch.empty(num_q, num_kv, device="cuda")
-        bf16_ms = timed("indexer_kernel", lambda: indexer_kernel(H_I, D_I, True)(iq, ik, iwf, st32, en32, idx_out),
-                        idx_flop, reps)
-        fp8_ms = timed("indexer_fp8_kernel", lambda: indexer_fp8_kernel(H_I, D_I, True)(q8, qs, k8, ks, iwf, st32,
-                                                                                        en32, idx_out), idx_flop, reps)
+        bf16_kernel = indexer_kernel(H_I, D_I, True, **INDEXER_DEFAULT)  # the wrappers' schedules
+        fp8_kernel = indexer_fp8_kernel(H_I, D_I, True, **INDEXER_FP8_DEFAULT)
+        bf16_ms = timed("indexer_kernel", lambda: bf16_kernel(iq, ik, iwf, st32, en32, idx_out), idx_flop, reps)
+        fp8_ms = timed("indexer_fp8_kernel", lambda: fp8_kernel(q8, qs, k8, ks, iwf, st32, en32, idx_out), idx_flop, reps)
         row["indexer_fp8_kernel_speedup"] = bf16_ms / fp8_ms
         del idx_out, q8, k8
         scores = lightning_indexer_tilelang(iq, ik, iw, starts=st, ends=en)

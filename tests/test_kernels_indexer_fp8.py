@@ -151,7 +151,7 @@ def test_fp8_indexer_ignores_keys_outside_the_window(junk):
     dirty[450] = junk  # a key of the third sequence
     outside = torch.ones(700, dtype=torch.bool, device="cuda")
     outside[450:] = False  # queries 450.. read key 450
-    for schedule in ({}, PERSISTENT_FP8):
+    for schedule in (dict(consumers=0), PERSISTENT_FP8):  # one warpgroup, the persistent kernel
         a = fp8_scores(q, k, w, starts, ends, schedule)
         b = fp8_scores(q, dirty, w, starts, ends, schedule)
         assert torch.equal(a[outside], b[outside]), schedule

@@ -43,6 +43,7 @@ from ..fp8 import act_quant_pow2
 from ._target import compile_target
 from .indexer_fwd_persistent import indexer_persistent_kernel
 from .indexer_fwd_ws import indexer_ws_kernel
+from .shapes import INDEXER_FP8_DEFAULT
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
@@ -251,7 +252,8 @@ def fp8_indexer_scores_tilelang(q8, q_scale, k8, k_scale, weights, *, starts=Non
         q8: ``[T, H_I, 128]`` ``torch.float8_e4m3fn``; q_scale: ``[T, H_I]`` fp32 (``[T, H_I, 1]`` accepted).
         k8: ``[S, 128]`` e4m3; k_scale: ``[S]`` fp32 (``[S, 1]`` accepted).
         weights: ``[T, H_I]`` head weights. starts, ends: int ``[T]`` key windows, or ``None`` (all keys).
-        relu: the indexer's ReLU. schedule: knobs of `indexer_fp8_kernel` (tuning and tests).
+        relu: the indexer's ReLU. schedule: knobs of `indexer_fp8_kernel` (tuning and tests); none
+            given: `dsa_ref.kernels.shapes.INDEXER_FP8_DEFAULT`, the persistent kernel.
 
     Returns:
         ``[T, S]`` float32, ``-inf`` outside each window; no gradient.
@@ -266,7 +268,7 @@ def fp8_indexer_scores_tilelang(q8, q_scale, k8, k_scale, weights, *, starts=Non
     if T_ == 0 or S == 0:
         return scores
     starts_i, ends_i = _windows(T_, S, starts, ends, q8.device)
-    kernel = indexer_fp8_kernel(H, D, bool(relu), **schedule)
+    kernel = indexer_fp8_kernel(H, D, bool(relu), **(schedule or INDEXER_FP8_DEFAULT))
     kernel(q8.contiguous(), q_scale, k8.contiguous(), k_scale, weights.float().contiguous(), starts_i, ends_i, scores)
     return scores
 # --8<-- [end:fp8_indexer_scores_tilelang]

@@ -9,7 +9,8 @@ windows) never leaves the SM idle, and up to four consumer warpgroups share it:
   of every stage, runs one tensor-core GEMM ``logits [64 keys, 2 H_I] = K_sub @ [q[t]; q[t+1]]^T``,
   releases the stage, and then does the ReLU, the head weights (in registers), the sum over heads
   and the key scale (fp8) and **writes its scores itself** (``-inf`` outside each query's window):
-  each thread holds two keys' rows, so no score passes through shared memory.
+  each thread sums its part of two keys' rows, and the four threads of a quad reduce-scatter those
+  sums so that each ends with one (query, key) score to store; no score passes through shared memory.
 * **the streamer** (the last 128 threads): prepares the next query pair while the consumers work
   on this one (its ``[2 H_I, D_I]`` queries by ``cp.async``, the weights times the query scales,
   the windows and the pair's key-tile range, into the free one of two query buffers); keeps
@@ -40,6 +41,14 @@ BLOCK_Q = 2  # queries per pair: the GEMM's N = 2 H_I
 SUB = 64  # keys per consumer per stage: one warpgroup MMA's M
 NUM_SMS = 132  # resident blocks (H100 SXM and H200: 132 SMs); a grid larger than the SMs still runs
 STREAMER_REGS = 56  # registers a streamer thread keeps (setmaxnreg); the consumers share the rest
+
+
+def wgmma_layout(heads: int):
+    """The register layout of a ``[64, 2 H_I]`` fp32 warpgroup-MMA accumulator (PTX ISA, "wgmma
+    register fragments"): element ``(n, j)`` lives in thread ``32 (n // 16) + 4 (n % 8) + (j % 8) // 2``
+    of the warpgroup, register ``4 (j // 8) + 2 ((n % 16) // 8) + j % 2``."""
+    return T.Fragment((SUB, BLOCK_Q * heads), forward_thread_fn=lambda n, j: n // 16 * 32 + n % 8 * 4 + j % 8 // 2,
+                      forward_index_fn=lambda n, j: j // 8 * 4 + n % 16 // 8 * 2 + j % 2)
 
 
 def consumer_regs(consumers: int) -> int:
@@ -190,31 +199,44 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
     @T.macro
     def release(c, it_n, ks_s, ks_f, k_free):
         """Consumer ``c``: the GEMM of key tile ``it_n`` has read it; keep its key scales (fp8), hand it back."""
-        if fp8:
-            for n in T.Parallel(SUB):
-                ks_f[n] = ks_s[it_n % stages, c * SUB + n]
+        if fp8:  # the scale of the one key this thread stores (see `epilogue`)
+            x = T.get_thread_binding() - 128 * c
+            ks_f[0] = ks_s[it_n % stages, c * SUB + 16 * (x // 32) + (x % 32) // 4 + 8 * (x % 2)]
         T.barrier_arrive(k_free[it_n % stages])
 
     @T.macro
     def epilogue(c, kt, qb, t0, Scores, w_s, logits, part, row, ks_f, w_f, win, first):
         """``Scores[t0 + qi, s0 + n] = ks[n] * sum_h w[qi, h] relu(logits[n, qi H_I + h])`` for the
-        consumer's 64 keys ``s0 ...`` of the pair's tile ``kt``, ``-inf`` outside each query's window."""
+        consumer's 64 keys ``s0 ...`` of the pair's tile ``kt``, ``-inf`` outside each query's window.
+
+        Written per thread on the accumulator's warpgroup-MMA layout (`wgmma_layout`): thread ``x``
+        (lane ``l``) holds keys ``n_r = 16 (x // 32) + l // 4 + 8 r`` (``r`` = 0, 1) and, of each query,
+        the heads ``8 g + 2 (l % 4) + e`` (``g < H_I / 8``, ``e`` = 0, 1). It sums its 2 x 2
+        (query, key) partial sums over its heads, then the four threads of a quad reduce-scatter
+        them (two shuffle rounds) so that thread ``l % 4 = 2 b + r`` ends with the full sum of query
+        ``b``, key ``n_r``, and stores that one score."""
         s0 = (first[0] + kt) * block_n + c * SUB
-        for qi in T.unroll(BLOCK_Q):  # query qi owns the columns qi*H_I .. (qi+1)*H_I-1
-            for n, h in T.Parallel(SUB, heads):
-                w = w_s[qb, qi, h] if w_smem else w_f[qi, h]
-                if relu:
-                    part[n, h] = T.max(logits[n, qi * heads + h], 0) * w
-                else:
-                    part[n, h] = logits[n, qi * heads + h] * w
-            T.reduce_sum(part, row, dim=1)  # [64]: the sum over heads
-            for n in T.Parallel(SUB):
-                if t0 + qi < num_q and s0 + n < num_kv:
-                    inside = s0 + n >= win[2 * qi] and s0 + n < win[2 * qi + 1]
-                    if fp8:
-                        Scores[t0 + qi, s0 + n] = T.if_then_else(inside, row[n] * ks_f[n], -T.infinity(f32))
-                    else:
-                        Scores[t0 + qi, s0 + n] = T.if_then_else(inside, row[n], -T.infinity(f32))
+        x = T.get_thread_binding() - 128 * c  # the thread within the consumer warpgroup
+        lane = x % 32
+        b = (lane // 2) % 2  # the query this thread stores
+        r = lane % 2  # and its key row
+        for v in T.unroll(2 * BLOCK_Q):  # v = 2 qi + r': this thread's part of query qi, key n_r'
+            part[v] = 0.0
+            for g in T.unroll(heads // 8):
+                for e in T.unroll(2):
+                    h = 8 * g + 2 * (lane % 4) + e
+                    s = logits[16 * (x // 32) + lane // 4 + 8 * (v % 2), (v // 2) * heads + h]
+                    w = w_s[qb, v // 2, h] if w_smem else w_f[(v // 2) * (heads // 4) + 2 * g + e]
+                    part[v] = part[v] + (T.max(s, 0.0) if relu else s) * w
+        # reduce-scatter over the quad: lanes ^ 2 swap the other query's two keys, lanes ^ 1 the other key
+        row[0] = T.if_then_else(b == 1, part[2], part[0]) + T.shfl_xor(T.if_then_else(b == 1, part[0], part[2]), 2)
+        row[1] = T.if_then_else(b == 1, part[3], part[1]) + T.shfl_xor(T.if_then_else(b == 1, part[1], part[3]), 2)
+        total = T.if_then_else(r == 1, row[1], row[0]) + T.shfl_xor(T.if_then_else(r == 1, row[0], row[1]), 1)
+        key = s0 + 16 * (x // 32) + lane // 4 + 8 * r
+        inside = key >= T.if_then_else(b == 1, win[2], win[0]) and key < T.if_then_else(b == 1, win[3], win[1])
+        if t0 + b < num_q and key < num_kv:
+            score = total * ks_f[0] if fp8 else total
+            Scores[t0 + b, key] = T.if_then_else(inside, score, -T.infinity(f32))
 
     @T.macro
     def consume(c, bx, nqb, G, n_pairs, Scores, q_s, w_s, meta_s, k_s, ks_s, logits, logits_b, part, row, ks_f,
@@ -229,9 +251,12 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
                 win[i] = meta_s[qb, i]  # start and end of query t0 + i // 2
             first[0] = meta_s[qb, 4]
             tiles[0] = meta_s[qb, 5]
-            if not w_smem:
-                for qi, h in T.Parallel(BLOCK_Q, heads):
-                    w_f[qi, h] = w_s[qb, qi, h]
+            if not w_smem:  # this thread's heads (see `epilogue`) of both queries' weights
+                for qi in T.unroll(BLOCK_Q):
+                    for g in T.unroll(heads // 8):
+                        for e in T.unroll(2):
+                            h = 8 * g + 2 * ((T.get_thread_binding() - 128 * c) % 4) + e
+                            w_f[qi * (heads // 4) + 2 * g + e] = w_s[qb, qi, h]
             args = (qb, t0, Scores, w_s)
             if pingpong:
                 # tiles take turns in two accumulators: one's GEMM runs while the other's epilogue
@@ -284,11 +309,15 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
             logits = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) for _ in range(consumers)]  # [keys, (q, h)]
             logits_b = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) if pingpong else None
                         for _ in range(consumers)]  # pingpong: the second accumulator
-            part = [T.alloc_fragment((SUB, heads), f32) for _ in range(consumers)]  # one query's columns
-            row = [T.alloc_fragment((SUB,), f32) for _ in range(consumers)]
-            ks_f = [T.alloc_fragment((SUB,), f32) for _ in range(consumers)]  # fp8: key scales beside `row`
-            w_f = [T.alloc_fragment((BLOCK_Q, heads), f32) for _ in range(consumers)]
+            # per thread (see `epilogue`): its partial sums, the reduce-scatter's middle step, the scale
+            # of the key it stores (fp8) and its heads' weights of both queries
+            part = [T.alloc_local((2 * BLOCK_Q,), f32) for _ in range(consumers)]
+            row = [T.alloc_local((2,), f32) for _ in range(consumers)]
+            ks_f = [T.alloc_local((1,), f32) for _ in range(consumers)]
+            w_f = [T.alloc_local((BLOCK_Q * heads // 4,), f32) for _ in range(consumers)]
             win = T.alloc_local((2 * BLOCK_Q,), "int32")
+            # the accumulators keep the warpgroup MMA's register layout, which `epilogue` reads per thread
+            T.annotate_layout({acc: wgmma_layout(heads) for acc in logits + logits_b if acc is not None})
             q_ready = T.alloc_barrier(arrive_count=[256, 256])  # cp.async arrivals + plain ones
             q_free = T.alloc_barrier(arrive_count=[128 * consumers] * 2)
             k_ready = T.alloc_barrier(arrive_count=[128] * stages)
