@@ -62,6 +62,9 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BL
       everything in turn.
     * ``persistent``: `indexer_fwd_persistent.indexer_persistent_kernel`, one resident block per SM
       with ``consumers`` (2-4) consumer warpgroups and ``stages`` key tiles in flight.
+
+    The wrapper (`autograd.lightning_indexer_tilelang`) runs `shapes.INDEXER_DEFAULT`, the persistent
+    schedule with two consumers and pingpong, the fastest measured.
     """
     if persistent:  # one resident block per SM, DeepGEMM's scheme
         return indexer_persistent_kernel(heads, dim, relu, fp8=False, consumers=consumers, stages=stages,
