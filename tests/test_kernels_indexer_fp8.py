@@ -27,7 +27,7 @@ import torch
 
 from dsa_ref import cp_shard_index, key_windows, lightning_indexer
 from dsa_ref.fp8 import fp8_dequant, fp8_roundtrip
-from dsa_ref.kernels.shapes import INDEXER_FP8_SCHEDULES, PERSISTENT_FP8
+from dsa_ref.kernels.shapes import INDEXER_FP8_SCHEDULES, PERSISTENT_FP8, PERSISTENT_FP8_PINGPONG
 from gpu_helpers import rel_l2, requires_kernels
 
 pytestmark = [requires_kernels, pytest.mark.gpu]
@@ -121,7 +121,8 @@ def test_fp8_indexer_schedules(schedule):
     _check(q[:301].contiguous(), k, w[:301].contiguous(), None, None, schedule)
 
 
-@pytest.mark.parametrize("schedule", [dict(consumers=2), PERSISTENT_FP8], ids=["ws", "persistent"])
+@pytest.mark.parametrize("schedule", [dict(consumers=2), PERSISTENT_FP8, PERSISTENT_FP8_PINGPONG],
+                         ids=["ws", "persistent", "persistent-pingpong"])
 @pytest.mark.parametrize("H", [16, 32])
 def test_fp8_indexer_warp_specialised_schedule_other_heads(H, schedule):
     cu = torch.tensor([0, 1, 100, 100, 333, 700])

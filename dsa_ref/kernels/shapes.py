@@ -77,6 +77,7 @@ INDEXER_BF16_RIVALS = [dict(), dict(persistent=True, consumers=2, stages=3, ping
 # The persistent schedules (`indexer_fwd_persistent`) the tests also run at 16 and 32 heads.
 PERSISTENT_BF16 = dict(persistent=True, consumers=3, stages=2)
 PERSISTENT_FP8 = dict(persistent=True, consumers=3, stages=4)
+PERSISTENT_FP8_PINGPONG = dict(persistent=True, consumers=2, stages=4, pingpong=True)  # the fastest fp8 at 16K
 
 
 # The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default
@@ -110,7 +111,8 @@ def kernel_set():
     jobs += [("indexer_fp8", (64, INDEXER_DIM, True), kw) for kw in INDEXER_FP8_SCHEDULES]
     jobs += [(name, (h, INDEXER_DIM, True), dict(consumers=2)) for h in (16, 32) for name in ("indexer", "indexer_fp8")]
     jobs += [(name, (h, INDEXER_DIM, True), kw) for h in (16, 32)
-             for name, kw in (("indexer", PERSISTENT_BF16), ("indexer_fp8", PERSISTENT_FP8))]
+             for name, kw in (("indexer", PERSISTENT_BF16), ("indexer_fp8", PERSISTENT_FP8),
+                              ("indexer_fp8", PERSISTENT_FP8_PINGPONG))]
     jobs.append(("scores_at", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at_backward", (64, INDEXER_DIM, False)))
     jobs.append(("scores_at", (16, 64, True)))
