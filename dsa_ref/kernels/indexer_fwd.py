@@ -23,7 +23,7 @@ import tilelang.language as T
 
 from ._target import compile_target
 from .indexer_fwd_persistent import indexer_persistent_kernel
-from .indexer_fwd_ws import indexer_ws_kernel
+from .indexer_fwd_ws import check_indexer_sizes, indexer_ws_kernel
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
@@ -71,10 +71,7 @@ def indexer_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int = BL
                                          pingpong=pingpong)
     if consumers:  # the warp-specialised schedule
         return indexer_ws_kernel(heads, dim, relu, fp8=False, consumers=consumers, stages=stages)
-    if heads not in (16, 32, 64):
-        raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
-    if dim % 16:
-        raise ValueError(f"indexer head dim must be a multiple of 16, got {dim}")
+    check_indexer_sizes(heads, dim, fp8=False)
     if merge not in (1, 2) or block_q % merge:
         raise ValueError(f"merge must be 1 or 2 and divide block_q, got merge={merge}, block_q={block_q}")
     groups = block_q // merge  # GEMMs per key tile

@@ -32,7 +32,7 @@ import tilelang
 import tilelang.language as T
 
 from ._target import compile_target
-from .indexer_fwd_ws import score_prim_func
+from .indexer_fwd_ws import check_indexer_sizes, score_prim_func
 
 _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,  # the roles are written out here
          tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}  # and so are the bulk copies
@@ -49,6 +49,17 @@ def wgmma_layout(heads: int):
     of the warpgroup, register ``4 (j // 8) + 2 ((n % 16) // 8) + j % 2``."""
     return T.Fragment((SUB, BLOCK_Q * heads), forward_thread_fn=lambda n, j: n // 16 * 32 + n % 8 * 4 + j % 8 // 2,
                       forward_index_fn=lambda n, j: j // 8 * 4 + n % 16 // 8 * 2 + j % 2)
+
+
+def consumer_thread(c: int):
+    """The thread's index ``x`` within consumer warpgroup ``c`` (0-127)."""
+    return T.get_thread_binding() - 128 * c
+
+
+def stored_key(x):
+    """The key row (of the consumer's 64) whose score thread ``x`` stores after the quad's
+    reduce-scatter (see ``epilogue``): ``16 (x // 32) + l // 4 + 8 r`` for lane ``l``, ``r = l % 2``."""
+    return 16 * (x // 32) + (x % 32) // 4 + 8 * (x % 2)
 
 
 def consumer_regs(consumers: int) -> int:
@@ -75,11 +86,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
     the next tile's GEMM before the epilogue of this one; ``grid`` resident blocks (at most one per
     query pair).
     """
-    if heads not in (16, 32, 64):
-        raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
-    step = 32 if fp8 else 16  # channels per warpgroup MMA step
-    if dim % step:
-        raise ValueError(f"indexer head dim must be a multiple of {step} here, got {dim}")
+    check_indexer_sizes(heads, dim, fp8)
     if consumers not in (2, 3, 4) or stages not in (2, 3, 4):
         raise ValueError(f"consumers must be 2, 3 or 4 and stages 2, 3 or 4, got {consumers} and {stages}")
     if pingpong and consumers != 2:
@@ -200,8 +207,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
     def release(c, it_n, ks_s, ks_f, k_free):
         """Consumer ``c``: the GEMM of key tile ``it_n`` has read it; keep its key scales (fp8), hand it back."""
         if fp8:  # the scale of the one key this thread stores (see `epilogue`)
-            x = T.get_thread_binding() - 128 * c
-            ks_f[0] = ks_s[it_n % stages, c * SUB + 16 * (x // 32) + (x % 32) // 4 + 8 * (x % 2)]
+            ks_f[0] = ks_s[it_n % stages, c * SUB + stored_key(consumer_thread(c))]
         T.barrier_arrive(k_free[it_n % stages])
 
     @T.macro
@@ -216,7 +222,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
         them (two shuffle rounds) so that thread ``l % 4 = 2 b + r`` ends with the full sum of query
         ``b``, key ``n_r``, and stores that one score."""
         s0 = (first[0] + kt) * block_n + c * SUB
-        x = T.get_thread_binding() - 128 * c  # the thread within the consumer warpgroup
+        x = consumer_thread(c)
         lane = x % 32
         b = (lane // 2) % 2  # the query this thread stores
         r = lane % 2  # and its key row
@@ -232,7 +238,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
         row[0] = T.if_then_else(b == 1, part[2], part[0]) + T.shfl_xor(T.if_then_else(b == 1, part[0], part[2]), 2)
         row[1] = T.if_then_else(b == 1, part[3], part[1]) + T.shfl_xor(T.if_then_else(b == 1, part[1], part[3]), 2)
         total = T.if_then_else(r == 1, row[1], row[0]) + T.shfl_xor(T.if_then_else(r == 1, row[0], row[1]), 1)
-        key = s0 + 16 * (x // 32) + lane // 4 + 8 * r
+        key = s0 + stored_key(x)
         inside = key >= T.if_then_else(b == 1, win[2], win[0]) and key < T.if_then_else(b == 1, win[3], win[1])
         if t0 + b < num_q and key < num_kv:
             score = total * ks_f[0] if fp8 else total
@@ -255,7 +261,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
                 for qi in T.unroll(BLOCK_Q):
                     for g in T.unroll(heads // 8):
                         for e in T.unroll(2):
-                            h = 8 * g + 2 * ((T.get_thread_binding() - 128 * c) % 4) + e
+                            h = 8 * g + 2 * (consumer_thread(c) % 4) + e
                             w_f[qi * (heads // 4) + 2 * g + e] = w_s[qb, qi, h]
             args = (qb, t0, Scores, w_s)
             if pingpong:

@@ -56,6 +56,17 @@ def score_prim_func(body, heads: int, dim: int, fp8: bool, num_q, num_kv):
     return main
 
 
+def check_indexer_sizes(heads: int, dim: int, fp8: bool) -> None:
+    """The sizes the warpgroup-MMA indexer kernels take: ``H_I`` 16, 32 or 64, and ``D_I`` a multiple of
+    one MMA step (16 channels in bf16, 32 in fp8); ValueError otherwise."""
+    if heads not in (16, 32, 64):
+        raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
+    step = 32 if fp8 else 16  # channels per warpgroup MMA step
+    if dim % step:
+        raise ValueError(f"indexer head dim must be a multiple of {step} (one {'fp8' if fp8 else 'bf16'} MMA step), "
+                         f"got {dim}")
+
+
 # --8<-- [start:indexer_ws_kernel]
 @functools.lru_cache(maxsize=None)
 def indexer_ws_kernel(heads: int, dim: int, relu: bool = True, *, fp8: bool = False, consumers: int = 2,
@@ -68,11 +79,7 @@ def indexer_ws_kernel(heads: int, dim: int, relu: bool = True, *, fp8: bool = Fa
     fp32 scales). ``Scores [T, S]`` fp32 is written in place, every entry. ``consumers`` (1-3)
     consumer warpgroups, ``stages`` (2-4) key tiles of ``64 consumers`` keys in flight.
     """
-    if heads not in (16, 32, 64):
-        raise ValueError(f"indexer heads must be 16, 32 or 64, got {heads}")
-    step = 32 if fp8 else 16  # channels per warpgroup MMA step
-    if dim % step:
-        raise ValueError(f"indexer head dim must be a multiple of {step} here, got {dim}")
+    check_indexer_sizes(heads, dim, fp8)
     if consumers not in (1, 2, 3) or stages not in (2, 3, 4):
         raise ValueError(f"consumers must be 1, 2 or 3 and stages 2, 3 or 4, got {consumers} and {stages}")
     block_n = SUB * consumers  # keys per stage

@@ -105,9 +105,9 @@ def kernel_set():
         jobs.append(("indexer_fp8", (h, INDEXER_DIM, True), INDEXER_FP8_DEFAULT))
     jobs.append(("indexer", (64, INDEXER_DIM, True)))  # the builders' own defaults
     jobs.append(("indexer_fp8", (64, INDEXER_DIM, True)))
-    jobs.append(("indexer", (64, INDEXER_DIM, False), INDEXER_DEFAULT))
+    jobs.append(("indexer", (64, INDEXER_DIM, False), INDEXER_DEFAULT))  # the wrappers' relu=False
     jobs.append(("indexer_fp8", (64, INDEXER_DIM, False)))
-    jobs.append(("indexer_fp8", (64, INDEXER_DIM, False), PERSISTENT_FP8))
+    jobs.append(("indexer_fp8", (64, INDEXER_DIM, False), INDEXER_FP8_DEFAULT))  # the wrappers' relu=False
     jobs += [("indexer_fp8", (64, INDEXER_DIM, True), kw) for kw in INDEXER_FP8_SCHEDULES]
     jobs += [(name, (h, INDEXER_DIM, True), dict(consumers=2)) for h in (16, 32) for name in ("indexer", "indexer_fp8")]
     jobs += [(name, (h, INDEXER_DIM, True), kw) for h in (16, 32)
