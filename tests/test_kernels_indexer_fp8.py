@@ -132,14 +132,16 @@ def test_fp8_indexer_warp_specialised_schedule_other_heads(H, schedule):
     _check(q[:3].contiguous(), k[:5].contiguous(), w[:3].contiguous(), None, None, schedule)
 
 
-def test_fp8_indexer_persistent_more_pairs_than_blocks():
+@pytest.mark.parametrize("schedule", [PERSISTENT_FP8, PERSISTENT_FP8_PINGPONG],
+                         ids=["persistent", "persistent-pingpong"])
+def test_fp8_indexer_persistent_more_pairs_than_blocks(schedule):
     """389 query pairs on 132 resident blocks (each walks three), an odd T, and S not a multiple of
-    the 192-key stage, with packed windows: every pair's scores, wherever it runs."""
+    a stage (192 or 128 keys), with packed windows: every pair's scores, wherever it runs."""
     cu = torch.tensor([0, 37, 38, 501, 777])
     q, k, w = _inputs(777, 777, 64, seed=21)
     starts, ends = key_windows(cu)
-    _check(q, k, w, starts.cuda(), ends.cuda(), PERSISTENT_FP8)
-    _check(q, k, w, None, None, PERSISTENT_FP8, relu=False)
+    _check(q, k, w, starts.cuda(), ends.cuda(), schedule)
+    _check(q, k, w, None, None, schedule, relu=False)
 
 
 @pytest.mark.parametrize("junk", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -152,7 +154,7 @@ def test_fp8_indexer_ignores_keys_outside_the_window(junk):
     dirty[450] = junk  # a key of the third sequence
     outside = torch.ones(700, dtype=torch.bool, device="cuda")
     outside[450:] = False  # queries 450.. read key 450
-    for schedule in (dict(consumers=0), PERSISTENT_FP8):  # one warpgroup, the persistent kernel
+    for schedule in (dict(consumers=0), PERSISTENT_FP8, PERSISTENT_FP8_PINGPONG):  # one warpgroup, persistent
         a = fp8_scores(q, k, w, starts, ends, schedule)
         b = fp8_scores(q, dirty, w, starts, ends, schedule)
         assert torch.equal(a[outside], b[outside]), schedule

@@ -67,7 +67,7 @@ def indexer_fp8_kernel(heads: int, dim: int, relu: bool = True, *, block_q: int 
     query's window). The knobs are those of `dsa_ref.kernels.indexer_fwd.indexer_kernel`; here
     ``consumers`` defaults to 0 (one warpgroup) and ``min_blocks`` to ``MIN_BLOCKS``; ``persistent``
     selects `indexer_fwd_persistent.indexer_persistent_kernel` with ``consumers`` (2-4) and ``stages``.
-    The wrappers run `shapes.INDEXER_FP8_DEFAULT`, the persistent schedule with three consumers.
+    The wrappers run `shapes.INDEXER_FP8_DEFAULT`, the persistent schedule with two consumers in pingpong.
     """
     if persistent:  # one resident block per SM, DeepGEMM's scheme
         return indexer_persistent_kernel(heads, dim, relu, fp8=True, consumers=consumers, stages=stages,

@@ -218,7 +218,9 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
         Written per thread on the accumulator's warpgroup-MMA layout (`wgmma_layout`): thread ``x``
         (lane ``l``) holds keys ``n_r = 16 (x // 32) + l // 4 + 8 r`` (``r`` = 0, 1) and, of each query,
         the heads ``8 g + 2 (l % 4) + e`` (``g < H_I / 8``, ``e`` = 0, 1). It sums its 2 x 2
-        (query, key) partial sums over its heads, then the four threads of a quad reduce-scatter
+        (query, key) partial sums over its heads, each in two accumulators ``part[v + 4 e]`` (two
+        chains of ``H_I / 8`` fused multiply-adds, not one twice as long that waits on itself)
+        joined at the end, then the four threads of a quad reduce-scatter
         them (two shuffle rounds) so that thread ``l % 4 = 2 b + r`` ends with the full sum of query
         ``b``, key ``n_r``, and stores that one score."""
         s0 = (first[0] + kt) * block_n + c * SUB
@@ -228,12 +230,14 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
         r = lane % 2  # and its key row
         for v in T.unroll(2 * BLOCK_Q):  # v = 2 qi + r': this thread's part of query qi, key n_r'
             part[v] = 0.0
+            part[v + 4] = 0.0
             for g in T.unroll(heads // 8):
                 for e in T.unroll(2):
                     h = 8 * g + 2 * (lane % 4) + e
                     s = logits[16 * (x // 32) + lane // 4 + 8 * (v % 2), (v // 2) * heads + h]
                     w = w_s[qb, v // 2, h] if w_smem else w_f[(v // 2) * (heads // 4) + 2 * g + e]
-                    part[v] = part[v] + (T.max(s, 0.0) if relu else s) * w
+                    part[v + 4 * e] = part[v + 4 * e] + (T.max(s, 0.0) if relu else s) * w
+            part[v] = part[v] + part[v + 4]
         # reduce-scatter over the quad: lanes ^ 2 swap the other query's two keys, lanes ^ 1 the other key
         row[0] = T.if_then_else(b == 1, part[2], part[0]) + T.shfl_xor(T.if_then_else(b == 1, part[0], part[2]), 2)
         row[1] = T.if_then_else(b == 1, part[3], part[1]) + T.shfl_xor(T.if_then_else(b == 1, part[1], part[3]), 2)
@@ -315,9 +319,9 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
             logits = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) for _ in range(consumers)]  # [keys, (q, h)]
             logits_b = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) if pingpong else None
                         for _ in range(consumers)]  # pingpong: the second accumulator
-            # per thread (see `epilogue`): its partial sums, the reduce-scatter's middle step, the scale
+            # per thread (see `epilogue`): its partial sums (two per score), the reduce-scatter's middle step, the scale
             # of the key it stores (fp8) and its heads' weights of both queries
-            part = [T.alloc_local((2 * BLOCK_Q,), f32) for _ in range(consumers)]
+            part = [T.alloc_local((4 * BLOCK_Q,), f32) for _ in range(consumers)]
             row = [T.alloc_local((2,), f32) for _ in range(consumers)]
             ks_f = [T.alloc_local((1,), f32) for _ in range(consumers)]
             w_f = [T.alloc_local((BLOCK_Q * heads // 4,), f32) for _ in range(consumers)]

@@ -69,7 +69,7 @@ INDEXER_TUNE = [dict(stages=3), dict(stages=4),  # the default (one consumer) wi
 # kernel (`indexer_fwd_persistent`), the fastest measured (docs, chapter 5). The builders' own keyword
 # defaults stay those of the earlier kernels: the warp-specialised one (bf16) and one warpgroup (fp8).
 INDEXER_DEFAULT = dict(persistent=True, consumers=2, stages=4, pingpong=True)
-INDEXER_FP8_DEFAULT = dict(persistent=True, consumers=3, stages=4)
+INDEXER_FP8_DEFAULT = dict(persistent=True, consumers=2, stages=4, pingpong=True)
 # The bf16 schedules benchmarks/bench_indexer_fp8.py times besides the bf16 default, so that the fp8
 # kernel's speed-up is also stated against the fastest bf16 kernel of the run.
 INDEXER_BF16_RIVALS = [dict(), dict(persistent=True, consumers=2, stages=3, pingpong=True),
@@ -77,7 +77,7 @@ INDEXER_BF16_RIVALS = [dict(), dict(persistent=True, consumers=2, stages=3, ping
 # The persistent schedules (`indexer_fwd_persistent`) the tests also run at 16 and 32 heads.
 PERSISTENT_BF16 = dict(persistent=True, consumers=3, stages=2)
 PERSISTENT_FP8 = dict(persistent=True, consumers=3, stages=4)
-PERSISTENT_FP8_PINGPONG = dict(persistent=True, consumers=2, stages=4, pingpong=True)  # the fastest fp8 at 16K
+PERSISTENT_FP8_PINGPONG = dict(persistent=True, consumers=2, stages=4, pingpong=True)  # = INDEXER_FP8_DEFAULT
 
 
 # The fused KL kernel's (`indexer_loss_slots.slot_kl_kernel`) tile and thread count besides its default

@@ -54,6 +54,7 @@ def zero_row_or(row, num_rows):
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_I = 64  # selected rows per step
+P_READY = 8  # the staggered kernel's named barriers 8 and 9 (TileLang's own syncs use lower ids)
 
 _PASS_SIMPLE = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
@@ -163,6 +164,9 @@ def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
 
 # --8<-- [start:warp_specialized_kernel]
 _PASS_WS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+# The staggered kernel reads Indices only below its pairs' end (K is a multiple of 128) and clamps
+# every gathered row into [0, S] (`zero_row_or`), so TileLang's guards on those loads are only cost.
+_PASS_STAGGERED = {**_PASS_WS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 @functools.lru_cache(maxsize=None)
@@ -324,29 +328,34 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
 
 # --8<-- [start:staggered_kernel]
 @T.macro
-def copy_half(p, it, stage, right, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
+def copy_half(p, it, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
     """One half of one stage (Python ints ``stage``, ``right``): channels ``[0, half)`` (L) or
-    ``[half, D)`` (R) of the stage's 64 rows, behind its own ``kv_free`` / ``kv_ready`` barrier
-    (index ``2 * stage + right``). The L half of stage 0 and the R half of stage 1 come first, so
-    they also carry the stage's validity flags."""
-    lo, hi = (half, KV.shape[1]) if right else (0, half)
+    ``[half, D)`` (R; its rope channels go to the stage's ``rope_s``) of the stage's 64 rows, behind
+    its own ``kv_free`` / ``kv_ready`` barrier (index ``2 * stage + right``). The L half of stage 0
+    and the R half of stage 1 come first, so they also carry the stage's validity flags."""
+    dim_v = kv_s.shape[2]
+    lo, hi = (half, dim_v) if right else (0, half)
     T.barrier_wait(kv_free[2 * stage + right], (it & 1) ^ 1)
     for r in T.unroll(BLOCK_I // 16):
         slot = r * 16 + p // 8
         if right == stage:  # (0, L) and (1, R): the stage's first half
             valid_s[stage, slot] = rows[stage, r] >= 0
+        row = zero_row_or(rows[stage, r], num_kv)  # one row per thread: its copies share one base
         for u in T.unroll((hi - lo) // 64):
             col = lo + 64 * u + (p % 8) * 8
             T.ptx_cp_async(
                 T.access_ptr(kv_s[stage, slot, col], "w", 8),
-                T.access_ptr(KV[zero_row_or(rows[stage, r], num_kv), col], "r", 8),
+                T.access_ptr(KV[row, col], "r", 8),
                 8,  # elements: 8 bf16 = one 16-byte cp.async
             )
+        if right:  # the rope channels, into their own buffer
+            T.ptx_cp_async(T.access_ptr(rope_s[stage][slot, (p % 8) * 8], "w", 8),
+                           T.access_ptr(KV[row, dim_v + (p % 8) * 8], "r", 8), 8)
     T.cp_async_barrier_noinc(kv_ready[2 * stage + right])
 
 
 @T.macro
-def gather_halves(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
+def gather_halves(p, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
     """The producer of `staggered_kernel` (thread ``p`` of 128): each pair's two blocks, in halves.
 
     Every stage is copied in two halves with their own barriers, in the order the consumers need
@@ -358,10 +367,10 @@ def gather_halves(p, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_r
         for stage in T.unroll(2):
             for r in T.unroll(BLOCK_I // 16):
                 rows[stage, r] = Indices[t, (it * 2 + stage) * BLOCK_I + r * 16 + p // 8]
-        copy_half(p, it, 0, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
-        copy_half(p, it, 1, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
-        copy_half(p, it, 0, 1, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
-        copy_half(p, it, 1, 0, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 0, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 1, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 0, 1, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,14 +388,16 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
       ``O_R += P_1 V_1,R``; consumer 0 then rescales ``P_0`` by ``exp(m_0 - m')`` (and ``O_L`` and its
       row sum), so both halves refer to ``m'``. The two consumers' softmax steps follow each other
       instead of running at the same time, and each one's tensor cores have work queued meanwhile.
-    * The blocks are then swapped through shared memory: ``P_0`` goes into stage 0's rope columns
+    * The blocks are then swapped through shared memory: ``P_0`` goes into stage 0's rope buffer
       (its ``S`` is done), ``P_1`` into a buffer of its own, and ``O_L += P_1 V_1,L``,
       ``O_R += P_0 V_0,R``. Consumer 0 issues the next pair's ``S_0`` while its last product runs.
     * The **producer** copies every stage in two halves (channels ``[0, 256)`` and ``[256, 576)``)
-      with their own barriers, so a half is refilled as soon as its last reader is done.
+      with their own barriers, so a half is refilled as soon as its last reader is done. A stage's
+      rope channels sit in a ``[64, 64]`` buffer of their own (``rope_s``), the shape TileLang writes
+      with ``stmatrix`` when ``P_0`` takes their place.
 
     Barriers: ``kv_ready`` / ``kv_free`` per half-stage (producer <-> its consumers), ``max_ready[c]``
-    (consumer ``c``'s maximum in ``max_s[c]``), ``p_ready[c]`` (its ``P`` in shared memory),
+    (consumer ``c``'s maximum in ``max_s[c]``), the named barrier ``P_READY + c`` (its ``P`` in shared memory),
     ``l_ready`` (the row sums at the end). Conventions, garbage and ``-1`` handling as in
     `warp_specialized_kernel`.
     """
@@ -394,7 +405,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
     if hb != 64:
         raise ValueError(f"the staggered kernel needs 64-head blocks, got heads={heads}")
     if dim - dim_v != BLOCK_I or dim_v % 128:
-        raise ValueError(f"the staggered kernel keeps P [64, 64] in the rope columns: dim - dim_v must be "
+        raise ValueError(f"the staggered kernel keeps P [64, 64] in the rope buffer: dim - dim_v must be "
                          f"{BLOCK_I} and dim_v a multiple of 128, got {dim}, {dim_v}")
     half = dim_v // 2  # 256: the L half of a row is [0, 256), the R half [256, 576) with the rope part
     scale2 = sm_scale * LOG2E
@@ -417,8 +428,9 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
             n_pairs = NumBlocks[t]
             q_s = T.alloc_shared((hb, dim), bf16)
             o_s = q_s  # Q is dead after the last S: the output is staged in its place
-            kv_s = T.alloc_shared((2, BLOCK_I, dim), bf16)  # stage 0: even blocks, stage 1: odd blocks
-            p1_s = T.alloc_shared((hb, BLOCK_I), bf16)  # P_1 (P_0 lives in stage 0's rope columns)
+            kv_s = T.alloc_shared((2, BLOCK_I, dim_v), bf16)  # stage 0: even blocks, stage 1: odd blocks
+            rope_s = [T.alloc_shared((BLOCK_I, dim - dim_v), bf16) for _ in range(2)]  # their rope channels
+            p1_s = T.alloc_shared((hb, BLOCK_I), bf16)  # P_1 (P_0 lives in stage 0's rope buffer)
             valid_s = T.alloc_shared((2, BLOCK_I), "bool", scope="shared")
             max_s = T.alloc_shared((2, hb), f32, scope="shared")
             l_s = T.alloc_shared((2, hb), f32, scope="shared")
@@ -440,7 +452,8 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
             kv_ready = T.alloc_barrier(arrive_count=[128, 128, 128, 128])  # stage 0 L, 0 R, 1 L, 1 R
             kv_free = T.alloc_barrier(arrive_count=[128, 128, 128, 128])
             max_ready = T.alloc_barrier(arrive_count=[128, 128])
-            p_ready = T.alloc_barrier(arrive_count=[128, 128])
+            # P_c in shared memory: named barriers P_READY + c (one consumer arrives, the other syncs;
+            # neither can arrive twice before the other has synced, see the ``max_ready`` exchange)
             l_ready = T.alloc_barrier(arrive_count=256)
 
             tx = T.get_thread_binding()
@@ -458,7 +471,8 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                     init_scores(s0, valid_s, 0)
                     T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
                     T.barrier_wait(kv_ready[1], 0)
-                    T.wgmma_gemm(q_s[:, half:], kv_s[0, :, half:], s0, transpose_B=True)
+                    T.wgmma_gemm(q_s[:, half:dim_v], kv_s[0, :, half:], s0, transpose_B=True)
+                    T.wgmma_gemm(q_s[:, dim_v:], rope_s[0], s0, transpose_B=True)
                 for it in T.serial(n_pairs):
                     T.wait_wgmma(0)  # S_0 of this pair
                     # P_0 with consumer 0's own maximum; the maximum goes to consumer 1
@@ -486,15 +500,15 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                         f0[h] = T.exp2((m0[h] - m0_pair[h]) * scale2)
                     for h, i in T.Parallel(hb, BLOCK_I):
                         s0[h, i] = s0[h, i] * f0[h]
-                    T.copy(s0, kv_s[0, :, dim_v:])  # P_0 into stage 0's rope columns, for consumer 1
+                    T.copy(s0, rope_s[0])  # P_0 into stage 0's rope buffer, for consumer 1
                     T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[0])
+                    T.named_barrier_arrive(P_READY, 256)
                     for h, d in T.Parallel(hb, half):
                         o0[h, d] = o0[h, d] * f0[h]
                     for h in T.Parallel(hb):
                         l0[h] = l0[h] * f0[h]
                     T.copy(m0_pair, m0)
-                    T.barrier_wait(p_ready[1], it & 1)
+                    T.sync_threads(P_READY + 1, 256)  # P_1 is in shared memory
                     T.wgmma_gemm(p1_s, kv_s[1, :, :half], o0)  # O_L += P_1 V_1,L
                     if it + 1 < n_pairs:  # the next S_0 while that product runs
                         T.barrier_wait(kv_ready[0], (it + 1) & 1)
@@ -503,7 +517,8 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                         T.wait_wgmma(1)
                         T.barrier_arrive(kv_free[2])  # stage 1 L is read for the last time
                         T.barrier_wait(kv_ready[1], (it + 1) & 1)
-                        T.wgmma_gemm(q_s[:, half:], kv_s[0, :, half:], s0, transpose_B=True)
+                        T.wgmma_gemm(q_s[:, half:dim_v], kv_s[0, :, half:], s0, transpose_B=True)
+                        T.wgmma_gemm(q_s[:, dim_v:], rope_s[0], s0, transpose_B=True)
                     else:
                         T.wait_wgmma(0)
                         T.barrier_arrive(kv_free[2])
@@ -528,7 +543,8 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                 for it in T.serial(n_pairs):
                     T.barrier_wait(kv_ready[3], it & 1)  # stage 1 R first, as the producer fills it
                     init_scores(s1, valid_s, 1)
-                    T.wgmma_gemm(q_s[:, half:], kv_s[1, :, half:], s1, transpose_B=True)
+                    T.wgmma_gemm(q_s[:, half:dim_v], kv_s[1, :, half:], s1, transpose_B=True)
+                    T.wgmma_gemm(q_s[:, dim_v:], rope_s[1], s1, transpose_B=True)
                     T.barrier_wait(kv_ready[2], it & 1)
                     T.wgmma_gemm(q_s[:, :half], kv_s[1, :, :half], s1, transpose_B=True)
                     T.wait_wgmma(0)
@@ -552,11 +568,11 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                         l1[h] = l1[h] * alpha1[h] + l1_blk[h]
                     T.copy(s1, p1)
                     T.wgmma_gemm(p1, kv_s[1, :, half:dim_v], o1)  # O_R += P_1 V_1,R from registers
-                    T.copy(s1, p1_s)  # P_1 for consumer 0
-                    T.barrier_wait(p_ready[0], it & 1)
-                    T.wgmma_gemm(kv_s[0, :, dim_v:], kv_s[0, :, half:dim_v], o1)  # O_R += P_0 V_0,R
+                    T.copy(p1, p1_s)  # P_1 for consumer 0
+                    T.sync_threads(P_READY, 256)  # P_0 is in shared memory
+                    T.wgmma_gemm(rope_s[0], kv_s[0, :, half:], o1)  # O_R += P_0 V_0,R
                     T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[1])
+                    T.named_barrier_arrive(P_READY + 1, 256)
                     T.wait_wgmma(1)
                     T.barrier_arrive(kv_free[3])  # stage 1 R is read for the last time
                     T.wait_wgmma(0)
@@ -572,7 +588,8 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
                 T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
             else:  # producer
                 T.set_max_nreg(72, 0)
-                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready,
+                              num_kv, half)
 
-    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_WS, target=compile_target())
+    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_STAGGERED, target=compile_target())
 # --8<-- [end:staggered_kernel]

@@ -4,7 +4,8 @@
         python tools/probes/ncu_kernels.py indexer_fp8 [--shape 4096x8192] [--kw '{"block_q": 4}']
 
 Kernels: ``indexer`` (bf16 lightning indexer), ``indexer_fp8`` (on operands quantised beforehand),
-``backward`` (sparse MLA backward, main kernel), ``forward`` (sparse MLA forward, default schedule).
+``backward`` (sparse MLA backward, main kernel), ``forward`` (sparse MLA forward, default schedule),
+``flashmla`` (FlashMLA's sparse prefill forward on the same inputs, loaded from ``--peers``).
 The inputs are those of benchmarks/bench_kernels.py; nothing is timed here (ncu measures).
 """
 
@@ -24,10 +25,11 @@ from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["indexer", "indexer_fp8", "backward", "forward"])
+    parser.add_argument("kernel", choices=["indexer", "indexer_fp8", "backward", "forward", "flashmla"])
     parser.add_argument("--shape", default="4096x8192")
     parser.add_argument("--kw", default="{}", help="schedule knobs as JSON")
     parser.add_argument("--launches", type=int, default=1)
+    parser.add_argument("--peers", default=".gpu/peers", help="folder with flashmla/ (see benchmarks/bench_peers.py)")
     args = parser.parse_args()
     num_q, num_kv = (int(v) for v in args.shape.split("x"))
     kw = json.loads(args.kw)
@@ -58,6 +60,15 @@ def main() -> int:
             kernel = bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE, **kw)
             dkv = torch.zeros(x["kv"].shape, dtype=torch.float32, device="cuda")
             run = lambda: kernel(x["q"], x["kv"], d_out, idx, counts, lse2, delta, dkv)  # noqa: E731
+        elif args.kernel == "flashmla":
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("flashmla_peer_build",
+                                                          os.path.join(args.peers, "flashmla", "build.py"))
+            build = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(build)
+            mod = build.load_module(verbose=False)
+            kv, idx = x["kv"][:, None, :].contiguous(), x["idx"].to(torch.int32)[:, None, :].contiguous()  # -1 unused
+            run = lambda: mod.sparse_prefill_fwd(x["q"], kv, idx, SM_SCALE, DIM_V, None, None)  # noqa: E731
         else:
             from dsa_ref.kernels.autograd import sparse_mla_tilelang
             run = lambda: sparse_mla_tilelang(x["q"], x["kv"], x["idx"], sm_scale=SM_SCALE, d_v=DIM_V, **kw)  # noqa: E731
