@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
 
 from bench_kernels import BENCH_TOPK, H, cuda_time_ms, run_meta, shape_inputs  # noqa: E402
-from bench_peers import back_to_back_ms  # noqa: E402
+from bench_peers import back_to_back_ms, load_family  # noqa: E402
 from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def main() -> int:
         modules[name] = load_file(name, path)
     flashmla = None
     if args.peers:
-        flashmla = load_file("flashmla_build", os.path.join(args.peers, "flashmla", "build.py")).load_module(verbose=False)
+        flashmla = load_family("flashmla", Path(args.peers), torch.device("cuda")).module("flashmla")
 
     out = {"meta": run_meta(), "topk": BENCH_TOPK, "rows": []}
     for shape in args.shapes.split(","):

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -61,12 +62,9 @@ def main() -> int:
             dkv = torch.zeros(x["kv"].shape, dtype=torch.float32, device="cuda")
             run = lambda: kernel(x["q"], x["kv"], d_out, idx, counts, lse2, delta, dkv)  # noqa: E731
         elif args.kernel == "flashmla":
-            import importlib.util
-            spec = importlib.util.spec_from_file_location("flashmla_peer_build",
-                                                          os.path.join(args.peers, "flashmla", "build.py"))
-            build = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(build)
-            mod = build.load_module(verbose=False)
+            from bench_peers import load_family
+
+            mod = load_family("flashmla", Path(args.peers), torch.device("cuda")).module("flashmla")
             kv, idx = x["kv"][:, None, :].contiguous(), x["idx"].to(torch.int32)[:, None, :].contiguous()  # -1 unused
             run = lambda: mod.sparse_prefill_fwd(x["q"], kv, idx, SM_SCALE, DIM_V, None, None)  # noqa: E731
         else:
