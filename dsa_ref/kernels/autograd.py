@@ -16,11 +16,13 @@ LOG2E = 1.4426950408889634
 
 
 # --8<-- [start:pad_indices]
-def _pad_indices(indices: torch.Tensor, multiple: int) -> torch.Tensor:
-    """int32 ``[T, K']`` with ``K'`` the next multiple of ``multiple``, padded with -1 (unused slots)."""
+def _pad_indices(indices: torch.Tensor, multiple: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``dtype`` ``[T, K']`` with ``K'`` the next multiple of ``multiple``, padded with -1 (unused slots).
+
+    No copy when ``indices`` is contiguous, of ``dtype`` and ``K`` a multiple already."""
     K = indices.shape[1]
     padded = math.ceil(K / multiple) * multiple
-    indices = indices.to(torch.int32)  # no copy when it is int32 already
+    indices = indices.to(dtype)  # no copy when it has that dtype already
     if padded == K:
         return indices.contiguous()
     return torch.nn.functional.pad(indices, (0, padded - K), value=-1)  # [T, K'], contiguous
@@ -33,16 +35,24 @@ def _block_counts(indices: torch.Tensor, block: int) -> torch.Tensor:
 
     The kernels visit only these blocks, so trailing ``-1`` slots (a short causal window, or the
     padding to the kernel's block) are never gathered or computed. A row with no valid slot gets 0.
+    One pass over the indices: a block holds a valid slot exactly when its largest index is ``>= 0``
+    (unused slots are negative), and the rest works on ``[T, K / block]``.
     """
-    blocks_through = _blocks_through(indices.shape[1], block, indices.device)  # [K]
-    return torch.where(indices >= 0, blocks_through, 0).amax(dim=1)  # [T] int32
+    T, K = indices.shape
+    if K % block:
+        indices = torch.nn.functional.pad(indices, (0, block - K % block), value=-1)  # [T, K']
+    if indices.numel() == 0:
+        return torch.zeros(T, dtype=torch.int32, device=indices.device)
+    block_max = indices.reshape(T, -1, block).amax(dim=2)  # [T, K' / block]: each block's largest index
+    numbers = _block_numbers(block_max.shape[1], indices.device)  # [K' / block]: 1, 2, ...
+    return torch.where(block_max >= 0, numbers, 0).amax(dim=1)  # [T] int32
 
 
 @functools.lru_cache(maxsize=64)
-def _blocks_through(K: int, block: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[K]``: slot ``j`` is in block ``j // block``, so a row whose last valid slot is ``j``
-    needs ``j // block + 1`` blocks. Cached: the calls of a training run share a few ``K``."""
-    return torch.arange(block, K + block, device=device, dtype=torch.int32) // block
+def _block_numbers(num_blocks: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[num_blocks]``: ``1, 2, ..., num_blocks``, so a row whose last valid slot lies in
+    block ``b`` needs ``b + 1`` blocks. Cached: the calls of a training run share a few widths."""
+    return torch.arange(1, num_blocks + 1, device=device, dtype=torch.int32)
 # --8<-- [end:block_counts]
 
 
@@ -96,14 +106,19 @@ class SparseMLAFunction(torch.autograd.Function):
 
         q, kv = q.contiguous(), with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         T, H, D = q.shape
-        if schedule in ("warp_specialized", "staggered") and H % 64 == 0:
+        index_dtype = torch.int32
+        if schedule == "staggered" and H % 64 == 0:
             step = 2 * fwd.BLOCK_I  # one 64-row block per stage, two stages per loop step
-            build = fwd.staggered_kernel if schedule == "staggered" else fwd.warp_specialized_kernel
-            kernel = build(H, D, d_v, float(sm_scale))
+            if indices.dtype == torch.int64:  # read as they are: no int32 copy of [T, K]
+                index_dtype = torch.int64
+            kernel = fwd.staggered_kernel(H, D, d_v, float(sm_scale), str(index_dtype).removeprefix("torch."))
+        elif schedule == "warp_specialized" and H % 64 == 0:
+            step = 2 * fwd.BLOCK_I
+            kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
         else:
             step = fwd.BLOCK_I
             kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
-        idx = _pad_indices(indices, step)  # [T, K'] int32
+        idx = _pad_indices(indices, step, index_dtype)  # [T, K'] int32 or int64
         out, lse = kernel(q, kv, idx, _block_counts(idx, step))
         ctx.save_for_backward(q, kv, idx, out, lse)
         ctx.sm_scale, ctx.d_v = float(sm_scale), d_v
@@ -114,6 +129,7 @@ class SparseMLAFunction(torch.autograd.Function):
         from . import sparse_mla_bwd as bwd
 
         q, kv, idx, out, lse = ctx.saved_tensors
+        idx = idx.to(torch.int32)  # [T, K'] as the backward kernel takes them
         T, H, D = q.shape
         if d_out is None:
             d_out = torch.zeros_like(out)

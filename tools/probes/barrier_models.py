@@ -1,19 +1,23 @@
-"""Barrier protocols of the warp-specialised kernels that have not run on a GPU yet, checked on the CPU.
+"""Barrier protocols of the warp-specialised kernels, checked on the CPU.
 
-Two kernels in this repository's history (compiled for sm_90a, reverted until they have run on a GPU):
-
-* the staggered sparse MLA forward (commit f532410; `git revert 518831e` brings it back): a producer and
-  two consumer warpgroups over half-stages of shared memory, the maxima and ``P`` swapped between them;
+* the staggered sparse MLA forward (`dsa_ref.kernels.sparse_mla_fwd.staggered_kernel`, persistent):
+  a producer and two consumer warpgroups over half-stages of shared memory, the maxima and ``P``
+  swapped between them, the scores masked after their product from the stage's validity flags,
+  and one block walking several tiles of different pair counts: the barriers' phases run on across
+  tiles, the producer runs ahead into the next tile, and the next tile's ``Q`` overwrites the
+  buffer the output was staged in;
 * the warp-specialised fp8 indexer (commit 8d897a9; `git revert 5703802`): a producer filling a ring
   of key tiles, two consumers taking turns on the tensor cores (ping-pong).
 
 Each model runs the warpgroups' programs as Python generators under random interleavings, with
-mbarrier semantics (arrive counts, phases, waits on a phase's parity) and a version on every buffer,
-and raises on a deadlock, on a read of a buffer that holds other data, on a write while a read
-(an issued, not yet waited-for tensor-core product) is in flight, and (fp8 indexer) on both consumers
-on the tensor cores at once. Each warpgroup's 128 arrivals count as one here. Mutations of the
-protocols (a half freed before its product is waited for, a maximum read without its barrier, an
-arrival too many, a wrong turn parity) are caught.
+mbarrier semantics (arrive counts, phases, waits on a phase's parity), named barriers of two
+warpgroups (``bar.arrive`` / ``bar.sync``) and a version on every buffer, and raises on a deadlock,
+on a read of a buffer that holds other data, on a write while a read (an issued, not yet
+waited-for tensor-core product) is in flight, on a warpgroup arriving twice at a named barrier in
+one generation, and (fp8 indexer) on both consumers on the tensor cores at once. Each warpgroup's
+128 arrivals count as one here. Mutations of the protocols are caught (the staggered forward's
+are run at the end: the next ``Q`` loaded without ``Q_FREE``, a half freed before its validity
+flags are read, phases counted per tile; `tests/test_barrier_models.py` runs both models).
 
     python tools/probes/barrier_models.py
 """
@@ -34,79 +38,136 @@ class Buf:
 
 class Hazard(Exception): pass
 
-def run(n, seed):
+class Named:
+    """A named barrier of two warpgroups (``bar.arrive`` / ``bar.sync``, 256 threads): each
+    warpgroup adds one arrival; a sync waits for the generation it joined to complete. A second
+    arrival of the same warpgroup in one generation would complete it without the other one."""
+    def __init__(self, name): self.name, self.arrived, self.generation = name, set(), 0
+    def arrive(self, who):
+        if who in self.arrived: raise Hazard(f"{who} arrives twice at {self.name} in one generation")
+        self.arrived.add(who)
+        if len(self.arrived) == 2: self.arrived, self.generation = set(), self.generation + 1
+        return self.generation if not self.arrived else self.generation + 1  # the generation to wait for
+
+
+def run(tiles, seed, mutation=None):
+    """One block of the persistent staggered forward over its tiles (``tiles[k]`` = pairs of tile k).
+
+    ``mutation`` breaks the protocol on purpose (the model must then raise): ``"no_q_free"`` loads the
+    next Q without waiting for the other consumer's output, ``"mask_late_free"`` frees stage 0's first
+    half before consumer 0 has read its validity flags, ``"one_phase"`` waits on the pair's phase
+    within the tile instead of the block's running count."""
     rnd = random.Random(seed)
-    B = dict(q_ready=Bar(3), l_ready=Bar(2),
+    B = dict(q_ready=Bar(1), l_ready=Bar(2),
              kv_ready=[Bar(1) for _ in range(4)], kv_free=[Bar(1) for _ in range(4)],
-             max_ready=[Bar(1), Bar(1)], p_ready=[Bar(1), Bar(1)])
+             max_ready=[Bar(1), Bar(1)])
+    P_READY = [Named("P_READY"), Named("P_READY + 1")]; Q_FREE = Named("Q_FREE")
     half = {h: Buf(h) for h in ("0L", "0R", "1L", "1R")}
-    p0 = Buf("P0 (in 0R's rope columns)"); p1 = Buf("P1"); m0 = Buf("max0"); m1 = Buf("max1")
+    rope0 = Buf("stage 0's rope buffer (P0)")  # with 0R: its rope channels, then P_0
+    valid = [Buf("valid_s[0]"), Buf("valid_s[1]")]
+    q = [Buf("q_s[:, :256] (Q, then O_L)"), Buf("q_s[:, 256:] (Q, then O_R)")]
+    p1 = Buf("P1"); m0 = Buf("max0"); m1 = Buf("max1"); l0 = Buf("l_s[0]"); l1 = Buf("l_s[1]")
     idx = {"0L": 0, "0R": 1, "1L": 2, "1R": 3}
+    starts = [sum(tiles[:k]) for k in range(len(tiles))]  # global index of each tile's first pair
+    if mutation == "one_phase":
+        starts = [0] * len(tiles)
 
     def wait(bar, parity):
         while not bar.done(parity): yield "blocked"
+    def sync(nb, who):
+        gen = nb.arrive(who)
+        while nb.generation < gen: yield "blocked"
     def w_start(buf):
         if buf.readers: raise Hazard(f"write of {buf.name} while {buf.readers} read(s) in flight")
         buf.writing = True
     def w_end(buf, v): buf.writing, buf.version = False, v
     def r_start(buf, v):
-        if buf.writing or buf.version != v: raise Hazard(f"read of {buf.name} for pair {v}: holds {buf.version}, writing={buf.writing}")
+        if buf.writing or buf.version != v: raise Hazard(f"read of {buf.name} for {v}: holds {buf.version}, writing={buf.writing}")
         buf.readers += 1
     def r_end(buf, v):
-        if buf.version != v or buf.writing: raise Hazard(f"{buf.name} changed under an in-flight read of pair {v}")
+        if buf.version != v or buf.writing: raise Hazard(f"{buf.name} changed under an in-flight read of {v}")
         buf.readers -= 1
     def write(buf, v): w_start(buf); w_end(buf, v)
     def read(buf, v): r_start(buf, v); r_end(buf, v)
 
-    def producer():
+    def producer():  # runs on into the next tile: only kv_free holds it back
+        for k, n in enumerate(tiles):
+            for it in range(n):
+                j = starts[k] + it
+                for h in ("0L", "1R", "0R", "1L"):
+                    yield from wait(B["kv_free"][idx[h]], (j & 1) ^ 1)
+                    w_start(half[h])
+                    if h == "0R": w_start(rope0)
+                    if h in ("0L", "1R"): w_start(valid[int(h[0])])
+                    yield "copying"
+                    w_end(half[h], j)
+                    if h == "0R": w_end(rope0, j)
+                    if h in ("0L", "1R"): w_end(valid[int(h[0])], j)
+                    B["kv_ready"][idx[h]].arrive(); yield "ok"
+    def load_q(k):
+        w_start(q[0]); w_start(q[1]); yield "tma"; w_end(q[0], ("Q", k)); w_end(q[1], ("Q", k))
         B["q_ready"].arrive()
-        for it in range(n):
-            for h in ("0L", "1R", "0R", "1L"):
-                yield from wait(B["kv_free"][idx[h]], (it & 1) ^ 1)
-                w_start(half[h]); yield "copying"
-                w_end(half[h], it); B["kv_ready"][idx[h]].arrive(); yield "ok"
+    def q_reads(action, k):
+        action(q[0], ("Q", k)); action(q[1], ("Q", k))
     def wg0():
-        B["q_ready"].arrive(); yield from wait(B["q_ready"], 0)
-        if n > 0:
-            yield from wait(B["kv_ready"][0], 0); r_start(half["0L"], 0)
-            yield from wait(B["kv_ready"][1], 0); r_start(half["0R"], 0)
-        for it in range(n):
-            r_end(half["0L"], it); r_end(half["0R"], it)  # wait_wgmma(0): S_0 done
-            write(m0, it); B["max_ready"][0].arrive(); yield "ok"
-            r_start(half["0L"], it); yield "pv"; r_end(half["0L"], it)  # O_L += P0 V0L, waited
-            B["kv_free"][0].arrive(); yield "ok"
-            yield from wait(B["max_ready"][1], it & 1); read(m1, it)
-            w_start(p0); yield "ok"; w_end(p0, it)  # P0 into 0R's rope columns (0R must hold pair it)
-            if half["0R"].version != it: raise Hazard("P0 written into 0R of another pair")
-            B["p_ready"][0].arrive(); yield "ok"
-            yield from wait(B["p_ready"][1], it & 1)
-            r_start(p1, it); r_start(half["1L"], it); yield "pv"  # O_L += P1 V1L in flight
-            if it + 1 < n:
-                yield from wait(B["kv_ready"][0], (it + 1) & 1); r_start(half["0L"], it + 1)
-                r_end(p1, it); r_end(half["1L"], it); B["kv_free"][2].arrive(); yield "ok"  # wait_wgmma(1)
-                yield from wait(B["kv_ready"][1], (it + 1) & 1); r_start(half["0R"], it + 1)
-            else:
-                r_end(p1, it); r_end(half["1L"], it); B["kv_free"][2].arrive(); yield "ok"
-        B["l_ready"].arrive(); yield from wait(B["l_ready"], 0)
+        if tiles: yield from load_q(0)
+        for k, n in enumerate(tiles):
+            yield from wait(B["q_ready"], k & 1)
+            j0 = starts[k]
+            if n > 0:
+                yield from wait(B["kv_ready"][0], j0 & 1); r_start(half["0L"], j0); q_reads(r_start, k)
+                yield from wait(B["kv_ready"][1], j0 & 1); r_start(half["0R"], j0); r_start(rope0, j0)
+            for it in range(n):
+                j = j0 + it
+                r_end(half["0L"], j); r_end(half["0R"], j); r_end(rope0, j); q_reads(r_end, k)  # wait_wgmma(0): S_0
+                if mutation == "mask_late_free":
+                    B["kv_free"][0].arrive(); yield "ok"
+                read(valid[0], j)  # the mask after the product
+                write(m0, j); B["max_ready"][0].arrive(); yield "ok"
+                r_start(half["0L"], j); yield "pv"; r_end(half["0L"], j)  # O_L += P0 V0L, waited
+                if mutation != "mask_late_free":
+                    B["kv_free"][0].arrive(); yield "ok"
+                yield from wait(B["max_ready"][1], j & 1); read(m1, j)
+                if rope0.version != j: raise Hazard("P0 written into the rope buffer of another pair")
+                write(rope0, ("P0", j)); yield "ok"
+                P_READY[0].arrive("wg0"); yield "ok"
+                yield from sync(P_READY[1], "wg0")
+                r_start(p1, j); r_start(half["1L"], j); yield "pv"  # O_L += P1 V1L in flight
+                if it + 1 < n:
+                    yield from wait(B["kv_ready"][0], (j + 1) & 1); r_start(half["0L"], j + 1); q_reads(r_start, k)
+                    r_end(p1, j); r_end(half["1L"], j); B["kv_free"][2].arrive(); yield "ok"  # wait_wgmma(1)
+                    yield from wait(B["kv_ready"][1], (j + 1) & 1); r_start(half["0R"], j + 1); r_start(rope0, j + 1)
+                else:
+                    r_end(p1, j); r_end(half["1L"], j); B["kv_free"][2].arrive(); yield "ok"
+            write(l0, k); B["l_ready"].arrive(); yield from wait(B["l_ready"], k & 1); read(l1, k)
+            write(q[0], ("out", k)); yield "staged"; read(q[0], ("out", k))  # O_L stored, its reads waited for
+            if mutation != "no_q_free":
+                yield from sync(Q_FREE, "wg0")
+            if k + 1 < len(tiles): yield from load_q(k + 1)
     def wg1():
-        B["q_ready"].arrive(); yield from wait(B["q_ready"], 0)
-        for it in range(n):
-            yield from wait(B["kv_ready"][3], it & 1); r_start(half["1R"], it)
-            yield from wait(B["kv_ready"][2], it & 1); r_start(half["1L"], it); yield "qk"
-            r_end(half["1R"], it); r_end(half["1L"], it)
-            yield from wait(B["max_ready"][0], it & 1); read(m0, it)
-            write(m1, it); B["max_ready"][1].arrive(); yield "ok"
-            r_start(half["1R"], it); yield "pv"  # O_R += P1 V1R in flight
-            write(p1, it); yield "ok"
-            yield from wait(B["p_ready"][0], it & 1)
-            r_start(p0, it); r_start(half["0R"], it); yield "pv"
-            B["p_ready"][1].arrive(); yield "ok"
-            r_end(half["1R"], it); B["kv_free"][3].arrive(); yield "ok"  # wait_wgmma(1)
-            r_end(p0, it); r_end(half["0R"], it); B["kv_free"][1].arrive(); yield "ok"  # wait_wgmma(0)
-        B["l_ready"].arrive(); yield from wait(B["l_ready"], 0)
+        for k, n in enumerate(tiles):
+            yield from wait(B["q_ready"], k & 1)
+            for it in range(n):
+                j = starts[k] + it
+                yield from wait(B["kv_ready"][3], j & 1); r_start(half["1R"], j); q_reads(r_start, k)
+                yield from wait(B["kv_ready"][2], j & 1); r_start(half["1L"], j); yield "qk"
+                r_end(half["1R"], j); r_end(half["1L"], j); q_reads(r_end, k)
+                read(valid[1], j)
+                yield from wait(B["max_ready"][0], j & 1); read(m0, j)
+                write(m1, j); B["max_ready"][1].arrive(); yield "ok"
+                r_start(half["1R"], j); yield "pv"  # O_R += P1 V1R in flight
+                write(p1, j); yield "ok"
+                yield from sync(P_READY[0], "wg1")
+                r_start(rope0, ("P0", j)); r_start(half["0R"], j); yield "pv"
+                P_READY[1].arrive("wg1"); yield "ok"
+                r_end(half["1R"], j); B["kv_free"][3].arrive(); yield "ok"  # wait_wgmma(1)
+                r_end(rope0, ("P0", j)); r_end(half["0R"], j); B["kv_free"][1].arrive(); yield "ok"  # wait_wgmma(0)
+            write(l1, k); B["l_ready"].arrive(); yield from wait(B["l_ready"], k & 1); read(l0, k)
+            write(q[1], ("out", k)); yield "staged"; read(q[1], ("out", k))  # O_R stored
+            if mutation != "no_q_free":
+                yield from sync(Q_FREE, "wg1")
 
     actors = {"producer": producer(), "wg0": wg0(), "wg1": wg1()}
-    pending = {k: None for k in actors}
     steps = 0
     while actors:
         names = list(actors); rnd.shuffle(names)
@@ -123,7 +184,7 @@ def run(n, seed):
             # everyone reported blocked once; try a full round to be sure
             if all(next(actors[nm], "done") == "blocked" for nm in list(actors)):
                 raise Hazard(f"deadlock with {sorted(actors)} left")
-        if steps > 100000: raise Hazard("no end")
+        if steps > 200000: raise Hazard("no end")
     return True
 
 def run_fp8(n_tiles, seed, stages=4):
@@ -171,10 +232,21 @@ def run_fp8(n_tiles, seed, stages=4):
 
 
 if __name__ == "__main__":
-    for n in range(0, 7):
-        for seed in range(400):
-            run(n, seed)
-    print("staggered forward: no deadlock, no hazard for 0..6 pairs, 400 interleavings each")
+    rnd = random.Random(0)
+    for case in range(300):
+        tiles = [rnd.choice([0, 1, 1, 2, 3, 4]) for _ in range(rnd.randint(0, 5))]
+        for seed in range(20):
+            run(tiles, seed)
+    print("staggered forward: no deadlock, no hazard for 300 tile sequences of 0..4 pairs, 20 interleavings each")
+    for mutation in ("no_q_free", "mask_late_free", "one_phase"):
+        caught = 0
+        for seed in range(200):
+            try:
+                run([3, 1, 2, 4], seed, mutation)
+            except Hazard:
+                caught += 1
+        print(f"  mutation {mutation}: caught in {caught} of 200 interleavings")
+        assert caught, mutation
     for n in range(0, 12):
         for seed in range(300):
             run_fp8(n, seed)
