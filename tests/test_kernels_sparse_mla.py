@@ -93,31 +93,6 @@ def test_forward_staggered_reads_int32_and_int64_indices_alike():
     assert torch.equal(out64, out32) and torch.equal(lse64, lse32)
 
 
-@pytest.mark.parametrize("grid", [None, 1, 3, 7])
-def test_forward_staggered_persistent_grids_agree(grid):
-    """The staggered kernel is persistent (`sparse_mla_fwd.NUM_SMS` blocks walk the (query, head
-    block) tiles): every grid gives the same bits as one block per tile (``None``), here with tiles
-    of very different lengths (empty rows, 1 to 10 pairs, packed causal windows) so that the
-    barriers' phases run on across tiles of different pair counts, and the next tile's first pair
-    is gathered while the last one finishes."""
-    from dsa_ref.kernels import sparse_mla_fwd as fwd
-    from dsa_ref.kernels.autograd import _block_counts, _pad_indices, with_zero_row
-
-    T, S = 150, 1400
-    q, kv = _inputs(T, S, 128, seed=11)
-    idx = messy_indices(T, S, 1280, seed=2, device="cpu")  # [T, 1280]: -1 anywhere, empty rows
-    lengths = torch.randint(0, 1281, (T,), generator=torch.Generator().manual_seed(2))
-    idx[torch.arange(1280) >= lengths[:, None]] = -1  # each row ends after its own length
-    idx = _pad_indices(idx.to("cuda"), 128)
-    counts = _block_counts(idx, 128)  # [T]: pairs of 64-slot blocks per row
-    assert counts.min() == 0 and counts.max() == 10 and counts.unique().numel() == 11
-    kv0 = with_zero_row(kv)
-    ref_out, ref_lse = fwd.staggered_kernel(128, DIM, DIM_V, SM_SCALE, "int32", None)(q, kv0, idx, counts)
-    out, lse = fwd.staggered_kernel(128, DIM, DIM_V, SM_SCALE, "int32", grid)(q, kv0, idx, counts)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    _check_forward(q, kv, idx, "staggered")  # and the default grid against the float64 reference
-
-
 @pytest.mark.parametrize("H", [16, 32, 64, 128])
 def test_backward_matches_reference(H):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang

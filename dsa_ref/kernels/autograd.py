@@ -1,8 +1,9 @@
 """Autograd wrappers around the TileLang kernels, with the readable API's semantics.
 
-Each wrapper converts at the boundary (int32 indices padded with ``-1`` to the kernel's block
-size, ``[S, D]`` contiguous latent rows, base-2 vs natural LSE) and checks shapes the kernels
-support; ``*_supported`` returns ``None`` when a call is fine and a reason string when it is not.
+Each wrapper converts at the boundary (indices padded with ``-1`` to the kernel's block size, int32
+except for the staggered forward, which reads int64 ones as they are; ``[S, D]`` contiguous latent
+rows; base-2 vs natural LSE) and checks shapes the kernels support; ``*_supported`` returns ``None``
+when a call is fine and a reason string when it is not.
 """
 
 import functools

@@ -22,11 +22,11 @@ Three schedules of the same math:
 * `staggered_kernel` -- FlashMLA's SM90 scheme: the two consumers each own a 64-row block of a pair
   and half of the value columns, exchange their maxima and probabilities through shared memory, and
   overlap one block's exponentials with the other's matrix products. The default
-  (``schedule="auto"``) wherever it applies: 8 % faster than the warp-specialised one at
-  4096 x 8192 on an H100, still 8 % slower than FlashMLA's own kernel in the same run.
+  (``schedule="auto"``) wherever it applies: on an H100, 2 % slower than FlashMLA's own kernel at
+  4096 x 8192 and level with it at 16384 x 16384 in the same process (docs, chapter 5).
 
-Conventions at this boundary: indices int32, ``-1`` = unused slot, natural-log LSE, rows with no
-valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds one extra row of zeros at its end
+Conventions at this boundary: indices int32 (int64 too for the staggered kernel), ``-1`` = unused
+slot, natural-log LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds one extra row of zeros at its end
 (the wrapper appends it, `dsa_ref.kernels.autograd.with_zero_row`): a ``-1`` slot reads that row,
 so whatever the other rows hold, an unused slot adds exact zeros to every product (a masked
 probability times a NaN row would be NaN). No gather reads outside ``KV`` for an index out of
@@ -55,16 +55,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_I = 64  # selected rows per step
 P_READY = 8  # the staggered kernel's named barriers 8 and 9 (TileLang's own syncs use lower ids)
-Q_FREE = 10  # and 10: both consumers are done with a tile's Q (and the output staged in its place)
-NUM_SMS = 132  # the staggered kernel's resident blocks (H100 SXM and H200: 132 SMs)
-
-# Start moving ``bytes`` of global memory into L2 (PTX ISA: cp.async.bulk.prefetch.L2, sm_90+): no
-# registers, no barrier, nothing waits for it. The staggered kernel asks for the next tile's Q this way.
-_PREFETCH_L2 = r"""
-__device__ __forceinline__ void dsa_prefetch_l2(const void* gmem, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(gmem), "r"(bytes) : "memory");
-}
-"""
 
 _PASS_SIMPLE = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
@@ -338,14 +328,14 @@ def warp_specialized_kernel(heads: int, dim: int, dim_v: int, sm_scale: float):
 
 # --8<-- [start:staggered_kernel]
 @T.macro
-def copy_half(p, j, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
-    """One half of one stage of the block's ``j``-th pair (Python ints ``stage``, ``right``): channels ``[0, half)`` (L) or
+def copy_half(p, it, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
+    """One half of one stage (Python ints ``stage``, ``right``): channels ``[0, half)`` (L) or
     ``[half, D)`` (R; its rope channels go to the stage's ``rope_s``) of the stage's 64 rows, behind
     its own ``kv_free`` / ``kv_ready`` barrier (index ``2 * stage + right``). The L half of stage 0
     and the R half of stage 1 come first, so they also carry the stage's validity flags."""
     dim_v = kv_s.shape[2]
     lo, hi = (half, dim_v) if right else (0, half)
-    T.barrier_wait(kv_free[2 * stage + right], (j & 1) ^ 1)
+    T.barrier_wait(kv_free[2 * stage + right], (it & 1) ^ 1)
     for r in T.unroll(BLOCK_I // 16):
         slot = r * 16 + p // 8
         if right == stage:  # (0, L) and (1, R): the stage's first half
@@ -365,9 +355,8 @@ def copy_half(p, j, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_r
 
 
 @T.macro
-def gather_halves(p, t, n_pairs, done, Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
-    """The producer of `staggered_kernel` (thread ``p`` of 128): each pair's two blocks of query ``t``, in
-    halves; ``done`` pairs of earlier tiles went through the same barriers before (their phases go on).
+def gather_halves(p, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half):
+    """The producer of `staggered_kernel` (thread ``p`` of 128): each pair's two blocks, in halves.
 
     Every stage is copied in two halves with their own barriers, in the order the consumers need
     them: stage 0 L, stage 1 R, stage 0 R, stage 1 L. A pair's 8 row indices per thread are loaded
@@ -381,32 +370,22 @@ def gather_halves(p, t, n_pairs, done, Indices, KV, kv_s, rope_s, valid_s, rows,
                 if Indices.dtype == "int64":  # clamped before the narrowing cast: no value wraps into [0, S)
                     index = T.Cast("int32", T.min(index, T.Cast("int64", num_kv)))
                 rows[stage, r] = index
-        j = done + it
-        copy_half(p, j, 0, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
-        copy_half(p, j, 1, 1, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
-        copy_half(p, j, 0, 1, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
-        copy_half(p, j, 1, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 0, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 1, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 0, 1, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
+        copy_half(p, it, 1, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
 
 
 @functools.lru_cache(maxsize=None)
-def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dtype: str = "int32",
-                     grid: int | None = NUM_SMS):
+def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dtype: str = "int32"):
     """Compile the staggered sparse MLA forward (64 heads per block; FlashMLA's SM90 scheme).
 
     Arguments as for `warp_specialized_kernel` (``K`` a multiple of 128, ``NumBlocks`` counts pairs
     of 64-slot blocks), except that ``Indices`` may also be int64 (``index_dtype``), as
     `dsa_ref.topk_indices` returns them: the wrapper then passes them without an int32 copy.
 
-    The kernel is **persistent**: ``grid`` blocks (at most one per tile; ``None``: one per tile) walk
-    the tiles (query, 64-head block) ``bx, bx + grid, ...``, and the producer runs on into the next
-    tile while the consumers finish one, so a tile's first rows arrive during the previous tile's
-    last products and output. Consumer 0 loads each tile's ``Q`` once both consumers have stored
-    their output half from its buffer (named barrier ``Q_FREE``), after asking for it in L2 at the
-    start of the tile before. The barriers' phases count the pairs of all of a block's tiles.
-
-    Each pair's blocks sit in two stages; consumer ``c`` computes
-    ``S_c = Q K_c^T`` of stage ``c`` and one half of the output, ``O_L`` (consumer 0) or ``O_R``
-    (consumer 1), from *both* blocks:
+    Each pair's blocks sit in two stages; consumer ``c`` computes ``S_c = Q K_c^T`` of stage ``c``
+    and one half of the output, ``O_L`` (consumer 0) or ``O_R`` (consumer 1), from *both* blocks:
 
     * **consumer 0** exponentiates ``S_0`` with its own maximum ``m_0 = max(m, rowmax S_0)``
       and starts ``O_L += P_0 V_0,L`` from registers at once; consumer 1 takes ``m_0``, forms the
@@ -421,13 +400,10 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
       with their own barriers, so a half is refilled as soon as its last reader is done. A stage's
       rope channels sit in a ``[64, 64]`` buffer of their own (``rope_s``), the shape TileLang writes
       with ``stmatrix`` when ``P_0`` takes their place.
-    * A ``-1`` slot gathers the zero row; its scores are set to ``-inf`` after the product
-      (``valid_s``), so the ``S`` products start from a cleared accumulator.
 
-    Barriers: ``q_ready`` (the tile's ``Q``), ``kv_ready`` / ``kv_free`` per half-stage (producer
-    <-> its consumers), ``max_ready[c]`` (consumer ``c``'s maximum in ``max_s[c]``), the named barrier
-    ``P_READY + c`` (its ``P`` in shared memory), ``l_ready`` (the row sums at the end of a tile),
-    ``Q_FREE`` (its output stored). Conventions, garbage and ``-1`` handling as in
+    Barriers: ``kv_ready`` / ``kv_free`` per half-stage (producer <-> its consumers), ``max_ready[c]``
+    (consumer ``c``'s maximum in ``max_s[c]``), the named barrier ``P_READY + c`` (its ``P`` in shared memory),
+    ``l_ready`` (the row sums at the end). Conventions, garbage and ``-1`` handling as in
     `warp_specialized_kernel`.
     """
     hb, per_query = head_blocking(heads)
@@ -445,18 +421,18 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
     NEG = -(2.0**30)  # finite start for the maxima: masked -inf scores give exp2(-inf) = 0, never NaN
 
     @T.macro
-    def mask_scores(s, valid_s, stage):
+    def init_scores(s, valid_s, stage):
         for h, i in T.Parallel(hb, BLOCK_I):
-            s[h, i] = T.if_then_else(valid_s[stage, i], s[h, i], -T.infinity(f32))  # -1 slots: -inf
+            s[h, i] = T.if_then_else(valid_s[stage, i], 0, -T.infinity(f32))  # -1 slots start at -inf
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
              Indices: T.Tensor((num_q, topk), index_dtype), NumBlocks: T.Tensor((num_q,), "int32"),
              Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
-        num_tiles = num_q * per_query  # tile = (query, 64-head block)
-        G = num_tiles if grid is None else T.max(T.min(grid, num_tiles), 1)
-        with T.Kernel(G, threads=384) as bx:
-            my_tiles = T.ceildiv(num_tiles - bx, G)  # tiles bx, bx + G, bx + 2 G, ...
+        with T.Kernel(num_q * per_query, threads=384) as bx:
+            t = bx // per_query
+            h0 = (bx % per_query) * hb
+            n_pairs = NumBlocks[t]
             q_s = T.alloc_shared((hb, dim), bf16)
             o_s = q_s  # Q is dead after the last S: the output is staged in its place
             kv_s = T.alloc_shared((2, BLOCK_I, dim_v), bf16)  # stage 0: even blocks, stage 1: odd blocks
@@ -478,180 +454,149 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
             m1, m1_prev, m1_peer = (T.alloc_fragment((hb,), f32) for _ in range(3))
             l1, l1_blk, alpha1 = (T.alloc_fragment((hb,), f32) for _ in range(3))
             rows = T.alloc_local((2, BLOCK_I // 16), "int32")  # the producer's rows of a pair
-            done = T.alloc_local((1,), "int32")  # pairs of this block's earlier tiles: the barriers' phases go on
 
-            q_ready = T.alloc_barrier(arrive_count=128)  # consumer 0 loads each tile's Q
+            q_ready = T.alloc_barrier(arrive_count=384)
             kv_ready = T.alloc_barrier(arrive_count=[128, 128, 128, 128])  # stage 0 L, 0 R, 1 L, 1 R
             kv_free = T.alloc_barrier(arrive_count=[128, 128, 128, 128])
             max_ready = T.alloc_barrier(arrive_count=[128, 128])
             # P_c in shared memory: named barriers P_READY + c (one consumer arrives, the other syncs;
-            # neither can arrive twice before the other has synced, see the ``max_ready`` exchange);
-            # Q_FREE: both consumers have stored their output half (the next Q may overwrite it)
+            # neither can arrive twice before the other has synced, see the ``max_ready`` exchange)
             l_ready = T.alloc_barrier(arrive_count=256)
 
             tx = T.get_thread_binding()
-            T.import_source(_PREFETCH_L2)
-            done[0] = 0
-            if tx < 128:  # consumer 0: S_0, P_0, O_L; it also loads the tiles' Q
+            T.tma_copy(Q[t, h0:h0 + hb, :], q_s, barrier=q_ready)
+            T.barrier_arrive(q_ready)
+
+            if tx < 128:  # consumer 0: S_0, P_0, O_L
                 T.set_max_nreg(216, 1)
-                if my_tiles > 0:
-                    T.tma_copy(Q[bx // per_query, (bx % per_query) * hb:(bx % per_query) * hb + hb, :], q_s,
-                               barrier=q_ready)
-                    T.barrier_arrive(q_ready)
-                for k in T.serial(my_tiles):
-                    tile = bx + k * G
-                    t, h0 = tile // per_query, (tile % per_query) * hb
-                    n_pairs = NumBlocks[t]
-                    T.fill(l0, 0)
-                    T.fill(m0, NEG)
-                    T.fill(o0, 0)
-                    T.barrier_wait(q_ready, k & 1)
-                    if tx == 0 and k + 1 < my_tiles:  # the next tile's Q into L2, to be there when it is loaded
-                        nxt = tile + G
-                        T.call_extern("handle", "dsa_prefetch_l2",
-                                      T.access_ptr(Q[nxt // per_query, (nxt % per_query) * hb, 0], "r"), hb * dim * 2)
-                    if n_pairs > 0:  # the first pair's S_0; the later ones are issued at the end of a pair
-                        T.barrier_wait(kv_ready[0], done[0] & 1)
-                        T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True, clear_accum=True)
-                        T.barrier_wait(kv_ready[1], done[0] & 1)
+                T.fill(l0, 0)
+                T.fill(m0, NEG)
+                T.fill(o0, 0)
+                T.barrier_wait(q_ready, 0)
+                if n_pairs > 0:  # the first pair's S_0; the later ones are issued at the end of a pair
+                    T.barrier_wait(kv_ready[0], 0)
+                    init_scores(s0, valid_s, 0)
+                    T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
+                    T.barrier_wait(kv_ready[1], 0)
+                    T.wgmma_gemm(q_s[:, half:dim_v], kv_s[0, :, half:], s0, transpose_B=True)
+                    T.wgmma_gemm(q_s[:, dim_v:], rope_s[0], s0, transpose_B=True)
+                for it in T.serial(n_pairs):
+                    T.wait_wgmma(0)  # S_0 of this pair
+                    # P_0 with consumer 0's own maximum; the maximum goes to consumer 1
+                    T.copy(m0, m0_prev)
+                    T.reduce_max(s0, m0, dim=1, clear=False)
+                    T.copy(m0, max_s[0, :])
+                    T.barrier_arrive(max_ready[0])
+                    for h in T.Parallel(hb):
+                        alpha0[h] = T.exp2((m0_prev[h] - m0[h]) * scale2)
+                    for h, d in T.Parallel(hb, half):
+                        o0[h, d] = o0[h, d] * alpha0[h]
+                    for h, i in T.Parallel(hb, BLOCK_I):
+                        s0[h, i] = T.exp2(s0[h, i] * scale2 - m0[h] * scale2)
+                    T.reduce_sum(s0, l0_blk, dim=1)
+                    for h in T.Parallel(hb):
+                        l0[h] = l0[h] * alpha0[h] + l0_blk[h]
+                    T.copy(s0, p0)
+                    T.wgmma_gemm(p0, kv_s[0, :, :half], o0)  # O_L += P_0 V_0,L from registers
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(kv_free[0])  # stage 0 L is read for the last time
+                    # the pair's maximum from consumer 1: P_0, O_L and the row sum refer to it
+                    T.barrier_wait(max_ready[1], it & 1)
+                    T.copy(max_s[1, :], m0_pair)
+                    for h in T.Parallel(hb):
+                        f0[h] = T.exp2((m0[h] - m0_pair[h]) * scale2)
+                    for h, i in T.Parallel(hb, BLOCK_I):
+                        s0[h, i] = s0[h, i] * f0[h]
+                    T.copy(s0, rope_s[0])  # P_0 into stage 0's rope buffer, for consumer 1
+                    T.fence_proxy_async()
+                    T.named_barrier_arrive(P_READY, 256)
+                    for h, d in T.Parallel(hb, half):
+                        o0[h, d] = o0[h, d] * f0[h]
+                    for h in T.Parallel(hb):
+                        l0[h] = l0[h] * f0[h]
+                    T.copy(m0_pair, m0)
+                    T.sync_threads(P_READY + 1, 256)  # P_1 is in shared memory
+                    T.wgmma_gemm(p1_s, kv_s[1, :, :half], o0)  # O_L += P_1 V_1,L
+                    if it + 1 < n_pairs:  # the next S_0 while that product runs
+                        T.barrier_wait(kv_ready[0], (it + 1) & 1)
+                        init_scores(s0, valid_s, 0)
+                        T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
+                        T.wait_wgmma(1)
+                        T.barrier_arrive(kv_free[2])  # stage 1 L is read for the last time
+                        T.barrier_wait(kv_ready[1], (it + 1) & 1)
                         T.wgmma_gemm(q_s[:, half:dim_v], kv_s[0, :, half:], s0, transpose_B=True)
                         T.wgmma_gemm(q_s[:, dim_v:], rope_s[0], s0, transpose_B=True)
-                    for it in T.serial(n_pairs):
-                        phase = (done[0] + it) & 1
-                        T.wait_wgmma(0)  # S_0 of this pair
-                        mask_scores(s0, valid_s, 0)
-                        # P_0 with consumer 0's own maximum; the maximum goes to consumer 1
-                        T.copy(m0, m0_prev)
-                        T.reduce_max(s0, m0, dim=1, clear=False)
-                        T.copy(m0, max_s[0, :])
-                        T.barrier_arrive(max_ready[0])
-                        for h in T.Parallel(hb):
-                            alpha0[h] = T.exp2((m0_prev[h] - m0[h]) * scale2)
-                        for h, d in T.Parallel(hb, half):
-                            o0[h, d] = o0[h, d] * alpha0[h]
-                        for h, i in T.Parallel(hb, BLOCK_I):
-                            s0[h, i] = T.exp2(s0[h, i] * scale2 - m0[h] * scale2)
-                        T.reduce_sum(s0, l0_blk, dim=1)
-                        for h in T.Parallel(hb):
-                            l0[h] = l0[h] * alpha0[h] + l0_blk[h]
-                        T.copy(s0, p0)
-                        T.wgmma_gemm(p0, kv_s[0, :, :half], o0)  # O_L += P_0 V_0,L from registers
+                    else:
                         T.wait_wgmma(0)
-                        T.barrier_arrive(kv_free[0])  # stage 0 L is read for the last time
-                        # the pair's maximum from consumer 1: P_0, O_L and the row sum refer to it
-                        T.barrier_wait(max_ready[1], phase)
-                        T.copy(max_s[1, :], m0_pair)
-                        for h in T.Parallel(hb):
-                            f0[h] = T.exp2((m0[h] - m0_pair[h]) * scale2)
-                        for h, i in T.Parallel(hb, BLOCK_I):
-                            s0[h, i] = s0[h, i] * f0[h]
-                        T.copy(s0, rope_s[0])  # P_0 into stage 0's rope buffer, for consumer 1
-                        T.fence_proxy_async()
-                        T.named_barrier_arrive(P_READY, 256)
-                        for h, d in T.Parallel(hb, half):
-                            o0[h, d] = o0[h, d] * f0[h]
-                        for h in T.Parallel(hb):
-                            l0[h] = l0[h] * f0[h]
-                        T.copy(m0_pair, m0)
-                        T.sync_threads(P_READY + 1, 256)  # P_1 is in shared memory
-                        T.wgmma_gemm(p1_s, kv_s[1, :, :half], o0)  # O_L += P_1 V_1,L
-                        if it + 1 < n_pairs:  # the next S_0 while that product runs
-                            T.barrier_wait(kv_ready[0], phase ^ 1)
-                            T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True, clear_accum=True)
-                            T.wait_wgmma(1)
-                            T.barrier_arrive(kv_free[2])  # stage 1 L is read for the last time
-                            T.barrier_wait(kv_ready[1], phase ^ 1)
-                            T.wgmma_gemm(q_s[:, half:dim_v], kv_s[0, :, half:], s0, transpose_B=True)
-                            T.wgmma_gemm(q_s[:, dim_v:], rope_s[0], s0, transpose_B=True)
-                        else:
-                            T.wait_wgmma(0)
-                            T.barrier_arrive(kv_free[2])
-                    T.copy(l0, l_s[0, :])
-                    T.barrier_arrive(l_ready)
-                    T.barrier_wait(l_ready, k & 1)
-                    for h in T.Parallel(hb):
-                        l0[h] = l0[h] + l_s[1, h]
-                    for h, d in T.Parallel(hb, half):
-                        o0[h, d] = T.if_then_else(l0[h] > 0, o0[h, d] / l0[h], 0)
-                    T.copy(o0, o_s[:, :half])
-                    T.copy(o_s[:, :half], Out[t, h0:h0 + hb, :half])
-                    for h in T.Parallel(hb):
-                        l0[h] = T.if_then_else(l0[h] > 0, (T.log2(l0[h]) + m0[h] * scale2) * LN2, -T.infinity(f32))
-                    T.copy(l0, Lse[t, h0:h0 + hb])
-                    T.sync_threads(Q_FREE, 256)  # both output halves are stored: the next Q may come
-                    if k + 1 < my_tiles:
-                        nxt = tile + G
-                        T.tma_copy(Q[nxt // per_query, (nxt % per_query) * hb:(nxt % per_query) * hb + hb, :], q_s,
-                                   barrier=q_ready)
-                        T.barrier_arrive(q_ready)
-                    done[0] = done[0] + n_pairs
+                        T.barrier_arrive(kv_free[2])
+                T.copy(l0, l_s[0, :])
+                T.barrier_arrive(l_ready)
+                T.barrier_wait(l_ready, 0)
+                for h in T.Parallel(hb):
+                    l0[h] = l0[h] + l_s[1, h]
+                for h, d in T.Parallel(hb, half):
+                    o0[h, d] = T.if_then_else(l0[h] > 0, o0[h, d] / l0[h], 0)
+                T.copy(o0, o_s[:, :half])
+                T.copy(o_s[:, :half], Out[t, h0:h0 + hb, :half])
+                for h in T.Parallel(hb):
+                    l0[h] = T.if_then_else(l0[h] > 0, (T.log2(l0[h]) + m0[h] * scale2) * LN2, -T.infinity(f32))
+                T.copy(l0, Lse[t, h0:h0 + hb])
             elif tx < 256:  # consumer 1: S_1, P_1, O_R
                 T.set_max_nreg(216, 1)
-                for k in T.serial(my_tiles):
-                    tile = bx + k * G
-                    t, h0 = tile // per_query, (tile % per_query) * hb
-                    n_pairs = NumBlocks[t]
-                    T.fill(l1, 0)
-                    T.fill(m1, NEG)
-                    T.fill(o1, 0)
-                    T.barrier_wait(q_ready, k & 1)
-                    for it in T.serial(n_pairs):
-                        phase = (done[0] + it) & 1
-                        T.barrier_wait(kv_ready[3], phase)  # stage 1 R first, as the producer fills it
-                        T.wgmma_gemm(q_s[:, half:dim_v], kv_s[1, :, half:], s1, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(q_s[:, dim_v:], rope_s[1], s1, transpose_B=True)
-                        T.barrier_wait(kv_ready[2], phase)
-                        T.wgmma_gemm(q_s[:, :half], kv_s[1, :, :half], s1, transpose_B=True)
-                        T.wait_wgmma(0)
-                        mask_scores(s1, valid_s, 1)
-                        # the pair's maximum: consumer 0's and this block's
-                        T.copy(m1, m1_prev)
-                        T.reduce_max(s1, m1, dim=1, clear=False)
-                        T.barrier_wait(max_ready[0], phase)
-                        T.copy(max_s[0, :], m1_peer)
-                        for h in T.Parallel(hb):
-                            m1[h] = T.max(m1[h], m1_peer[h])
-                        T.copy(m1, max_s[1, :])
-                        T.barrier_arrive(max_ready[1])
-                        for h in T.Parallel(hb):
-                            alpha1[h] = T.exp2((m1_prev[h] - m1[h]) * scale2)
-                        for h, d in T.Parallel(hb, half):
-                            o1[h, d] = o1[h, d] * alpha1[h]
-                        for h, i in T.Parallel(hb, BLOCK_I):
-                            s1[h, i] = T.exp2(s1[h, i] * scale2 - m1[h] * scale2)
-                        T.reduce_sum(s1, l1_blk, dim=1)
-                        for h in T.Parallel(hb):
-                            l1[h] = l1[h] * alpha1[h] + l1_blk[h]
-                        T.copy(s1, p1)
-                        T.wgmma_gemm(p1, kv_s[1, :, half:dim_v], o1)  # O_R += P_1 V_1,R from registers
-                        T.copy(p1, p1_s)  # P_1 for consumer 0
-                        T.sync_threads(P_READY, 256)  # P_0 is in shared memory
-                        T.wgmma_gemm(rope_s[0], kv_s[0, :, half:], o1)  # O_R += P_0 V_0,R
-                        T.fence_proxy_async()
-                        T.named_barrier_arrive(P_READY + 1, 256)
-                        T.wait_wgmma(1)
-                        T.barrier_arrive(kv_free[3])  # stage 1 R is read for the last time
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(kv_free[1])  # stage 0 R (and P_0) too
-                    T.copy(l1, l_s[1, :])
-                    T.barrier_arrive(l_ready)
-                    T.barrier_wait(l_ready, k & 1)
+                T.fill(l1, 0)
+                T.fill(m1, NEG)
+                T.fill(o1, 0)
+                T.barrier_wait(q_ready, 0)
+                for it in T.serial(n_pairs):
+                    T.barrier_wait(kv_ready[3], it & 1)  # stage 1 R first, as the producer fills it
+                    init_scores(s1, valid_s, 1)
+                    T.wgmma_gemm(q_s[:, half:dim_v], kv_s[1, :, half:], s1, transpose_B=True)
+                    T.wgmma_gemm(q_s[:, dim_v:], rope_s[1], s1, transpose_B=True)
+                    T.barrier_wait(kv_ready[2], it & 1)
+                    T.wgmma_gemm(q_s[:, :half], kv_s[1, :, :half], s1, transpose_B=True)
+                    T.wait_wgmma(0)
+                    # the pair's maximum: consumer 0's and this block's
+                    T.copy(m1, m1_prev)
+                    T.reduce_max(s1, m1, dim=1, clear=False)
+                    T.barrier_wait(max_ready[0], it & 1)
+                    T.copy(max_s[0, :], m1_peer)
                     for h in T.Parallel(hb):
-                        l1[h] = l1[h] + l_s[0, h]
+                        m1[h] = T.max(m1[h], m1_peer[h])
+                    T.copy(m1, max_s[1, :])
+                    T.barrier_arrive(max_ready[1])
+                    for h in T.Parallel(hb):
+                        alpha1[h] = T.exp2((m1_prev[h] - m1[h]) * scale2)
                     for h, d in T.Parallel(hb, half):
-                        o1[h, d] = T.if_then_else(l1[h] > 0, o1[h, d] / l1[h], 0)
-                    T.copy(o1, o_s[:, half:dim_v])
-                    T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
-                    T.sync_threads(Q_FREE, 256)
-                    done[0] = done[0] + n_pairs
-            else:  # producer: runs ahead into the next tile while the consumers finish this one
+                        o1[h, d] = o1[h, d] * alpha1[h]
+                    for h, i in T.Parallel(hb, BLOCK_I):
+                        s1[h, i] = T.exp2(s1[h, i] * scale2 - m1[h] * scale2)
+                    T.reduce_sum(s1, l1_blk, dim=1)
+                    for h in T.Parallel(hb):
+                        l1[h] = l1[h] * alpha1[h] + l1_blk[h]
+                    T.copy(s1, p1)
+                    T.wgmma_gemm(p1, kv_s[1, :, half:dim_v], o1)  # O_R += P_1 V_1,R from registers
+                    T.copy(p1, p1_s)  # P_1 for consumer 0
+                    T.sync_threads(P_READY, 256)  # P_0 is in shared memory
+                    T.wgmma_gemm(rope_s[0], kv_s[0, :, half:], o1)  # O_R += P_0 V_0,R
+                    T.fence_proxy_async()
+                    T.named_barrier_arrive(P_READY + 1, 256)
+                    T.wait_wgmma(1)
+                    T.barrier_arrive(kv_free[3])  # stage 1 R is read for the last time
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(kv_free[1])  # stage 0 R (and P_0) too
+                T.copy(l1, l_s[1, :])
+                T.barrier_arrive(l_ready)
+                T.barrier_wait(l_ready, 0)
+                for h in T.Parallel(hb):
+                    l1[h] = l1[h] + l_s[0, h]
+                for h, d in T.Parallel(hb, half):
+                    o1[h, d] = T.if_then_else(l1[h] > 0, o1[h, d] / l1[h], 0)
+                T.copy(o1, o_s[:, half:dim_v])
+                T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
+            else:  # producer
                 T.set_max_nreg(72, 0)
-                for k in T.serial(my_tiles):
-                    t = (bx + k * G) // per_query
-                    n_pairs = NumBlocks[t]
-                    gather_halves(tx - 256, t, n_pairs, done[0], Indices, KV, kv_s, rope_s, valid_s, rows, kv_free,
-                                  kv_ready, num_kv, half)
-                    done[0] = done[0] + n_pairs
+                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready,
+                              num_kv, half)
 
     return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_STAGGERED, target=compile_target())
 # --8<-- [end:staggered_kernel]

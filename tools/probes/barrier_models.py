@@ -1,11 +1,9 @@
 """Barrier protocols of the warp-specialised kernels, checked on the CPU.
 
-* the staggered sparse MLA forward (`dsa_ref.kernels.sparse_mla_fwd.staggered_kernel`, persistent):
-  a producer and two consumer warpgroups over half-stages of shared memory, the maxima and ``P``
-  swapped between them, the scores masked after their product from the stage's validity flags,
-  and one block walking several tiles of different pair counts: the barriers' phases run on across
-  tiles, the producer runs ahead into the next tile, and the next tile's ``Q`` overwrites the
-  buffer the output was staged in;
+* the staggered sparse MLA forward (`dsa_ref.kernels.sparse_mla_fwd.staggered_kernel`): a producer
+  and two consumer warpgroups over half-stages of shared memory, the maxima and ``P`` swapped
+  between them (``P_0`` in stage 0's rope buffer, handed over by named barriers), each stage's
+  validity flags read before its scores are computed;
 * the warp-specialised fp8 indexer (commit 8d897a9; `git revert 5703802`): a producer filling a ring
   of key tiles, two consumers taking turns on the tensor cores (ping-pong).
 
@@ -15,9 +13,9 @@ warpgroups (``bar.arrive`` / ``bar.sync``) and a version on every buffer, and ra
 on a read of a buffer that holds other data, on a write while a read (an issued, not yet
 waited-for tensor-core product) is in flight, on a warpgroup arriving twice at a named barrier in
 one generation, and (fp8 indexer) on both consumers on the tensor cores at once. Each warpgroup's
-128 arrivals count as one here. Mutations of the protocols are caught (the staggered forward's
-are run at the end: the next ``Q`` loaded without ``Q_FREE``, a half freed before its validity
-flags are read, phases counted per tile; `tests/test_barrier_models.py` runs both models).
+128 arrivals count as one here. Broken protocols are caught (the staggered forward's are run at the
+end: flags read after their half is handed back, ``P_0`` read without its named barrier, a half
+handed back before its last product is waited for); `tests/test_barrier_models.py` runs both models.
 
     python tools/probes/barrier_models.py
 """
@@ -50,27 +48,24 @@ class Named:
         return self.generation if not self.arrived else self.generation + 1  # the generation to wait for
 
 
-def run(tiles, seed, mutation=None):
-    """One block of the persistent staggered forward over its tiles (``tiles[k]`` = pairs of tile k).
+def run(n, seed, mutation=None):
+    """One block of the staggered forward (`staggered_kernel`) over ``n`` pairs of 64-row blocks.
 
-    ``mutation`` breaks the protocol on purpose (the model must then raise): ``"no_q_free"`` loads the
-    next Q without waiting for the other consumer's output, ``"mask_late_free"`` frees stage 0's first
-    half before consumer 0 has read its validity flags, ``"one_phase"`` waits on the pair's phase
-    within the tile instead of the block's running count."""
+    ``mutation`` breaks the protocol on purpose (the model must then raise): ``"flags_late"`` reads
+    stage 0's validity flags after its first half is handed back, ``"no_p_sync"`` lets consumer 1
+    read ``P_0`` without its named barrier, ``"free_early"`` hands stage 1's first half back before
+    consumer 0's last product from it is waited for."""
     rnd = random.Random(seed)
-    B = dict(q_ready=Bar(1), l_ready=Bar(2),
+    B = dict(q_ready=Bar(3), l_ready=Bar(2),
              kv_ready=[Bar(1) for _ in range(4)], kv_free=[Bar(1) for _ in range(4)],
              max_ready=[Bar(1), Bar(1)])
-    P_READY = [Named("P_READY"), Named("P_READY + 1")]; Q_FREE = Named("Q_FREE")
+    P_READY = [Named("P_READY"), Named("P_READY + 1")]
     half = {h: Buf(h) for h in ("0L", "0R", "1L", "1R")}
-    rope0 = Buf("stage 0's rope buffer (P0)")  # with 0R: its rope channels, then P_0
+    rope0 = Buf("stage 0's rope buffer (P0)")  # copied with 0R: its rope channels, then P_0
     valid = [Buf("valid_s[0]"), Buf("valid_s[1]")]
-    q = [Buf("q_s[:, :256] (Q, then O_L)"), Buf("q_s[:, 256:] (Q, then O_R)")]
+    q = Buf("q_s (Q, then the output)")
     p1 = Buf("P1"); m0 = Buf("max0"); m1 = Buf("max1"); l0 = Buf("l_s[0]"); l1 = Buf("l_s[1]")
     idx = {"0L": 0, "0R": 1, "1L": 2, "1R": 3}
-    starts = [sum(tiles[:k]) for k in range(len(tiles))]  # global index of each tile's first pair
-    if mutation == "one_phase":
-        starts = [0] * len(tiles)
 
     def wait(bar, parity):
         while not bar.done(parity): yield "blocked"
@@ -90,82 +85,69 @@ def run(tiles, seed, mutation=None):
     def write(buf, v): w_start(buf); w_end(buf, v)
     def read(buf, v): r_start(buf, v); r_end(buf, v)
 
-    def producer():  # runs on into the next tile: only kv_free holds it back
-        for k, n in enumerate(tiles):
-            for it in range(n):
-                j = starts[k] + it
-                for h in ("0L", "1R", "0R", "1L"):
-                    yield from wait(B["kv_free"][idx[h]], (j & 1) ^ 1)
-                    w_start(half[h])
-                    if h == "0R": w_start(rope0)
-                    if h in ("0L", "1R"): w_start(valid[int(h[0])])
-                    yield "copying"
-                    w_end(half[h], j)
-                    if h == "0R": w_end(rope0, j)
-                    if h in ("0L", "1R"): w_end(valid[int(h[0])], j)
-                    B["kv_ready"][idx[h]].arrive(); yield "ok"
-    def load_q(k):
-        w_start(q[0]); w_start(q[1]); yield "tma"; w_end(q[0], ("Q", k)); w_end(q[1], ("Q", k))
-        B["q_ready"].arrive()
-    def q_reads(action, k):
-        action(q[0], ("Q", k)); action(q[1], ("Q", k))
+    def producer():
+        w_start(q); yield "tma"; w_end(q, "Q"); B["q_ready"].arrive()
+        for it in range(n):
+            for h in ("0L", "1R", "0R", "1L"):
+                yield from wait(B["kv_free"][idx[h]], (it & 1) ^ 1)
+                w_start(half[h])
+                if h == "0R": w_start(rope0)
+                if h in ("0L", "1R"): w_start(valid[int(h[0])])  # a stage's first half carries its flags
+                yield "copying"
+                w_end(half[h], it)
+                if h == "0R": w_end(rope0, it)
+                if h in ("0L", "1R"): w_end(valid[int(h[0])], it)
+                B["kv_ready"][idx[h]].arrive(); yield "ok"
+    def scores0(it):  # S_0 = Q K_0^T issued: the flags are read first (the accumulator starts at -inf there)
+        yield from wait(B["kv_ready"][0], it & 1)
+        if mutation != "flags_late": read(valid[0], it)
+        r_start(half["0L"], it); r_start(q, "Q")
+        yield from wait(B["kv_ready"][1], it & 1); r_start(half["0R"], it); r_start(rope0, it)
     def wg0():
-        if tiles: yield from load_q(0)
-        for k, n in enumerate(tiles):
-            yield from wait(B["q_ready"], k & 1)
-            j0 = starts[k]
-            if n > 0:
-                yield from wait(B["kv_ready"][0], j0 & 1); r_start(half["0L"], j0); q_reads(r_start, k)
-                yield from wait(B["kv_ready"][1], j0 & 1); r_start(half["0R"], j0); r_start(rope0, j0)
-            for it in range(n):
-                j = j0 + it
-                r_end(half["0L"], j); r_end(half["0R"], j); r_end(rope0, j); q_reads(r_end, k)  # wait_wgmma(0): S_0
-                if mutation == "mask_late_free":
-                    B["kv_free"][0].arrive(); yield "ok"
-                read(valid[0], j)  # the mask after the product
-                write(m0, j); B["max_ready"][0].arrive(); yield "ok"
-                r_start(half["0L"], j); yield "pv"; r_end(half["0L"], j)  # O_L += P0 V0L, waited
-                if mutation != "mask_late_free":
-                    B["kv_free"][0].arrive(); yield "ok"
-                yield from wait(B["max_ready"][1], j & 1); read(m1, j)
-                if rope0.version != j: raise Hazard("P0 written into the rope buffer of another pair")
-                write(rope0, ("P0", j)); yield "ok"
-                P_READY[0].arrive("wg0"); yield "ok"
-                yield from sync(P_READY[1], "wg0")
-                r_start(p1, j); r_start(half["1L"], j); yield "pv"  # O_L += P1 V1L in flight
-                if it + 1 < n:
-                    yield from wait(B["kv_ready"][0], (j + 1) & 1); r_start(half["0L"], j + 1); q_reads(r_start, k)
-                    r_end(p1, j); r_end(half["1L"], j); B["kv_free"][2].arrive(); yield "ok"  # wait_wgmma(1)
-                    yield from wait(B["kv_ready"][1], (j + 1) & 1); r_start(half["0R"], j + 1); r_start(rope0, j + 1)
-                else:
-                    r_end(p1, j); r_end(half["1L"], j); B["kv_free"][2].arrive(); yield "ok"
-            write(l0, k); B["l_ready"].arrive(); yield from wait(B["l_ready"], k & 1); read(l1, k)
-            write(q[0], ("out", k)); yield "staged"; read(q[0], ("out", k))  # O_L stored, its reads waited for
-            if mutation != "no_q_free":
-                yield from sync(Q_FREE, "wg0")
-            if k + 1 < len(tiles): yield from load_q(k + 1)
+        B["q_ready"].arrive(); yield from wait(B["q_ready"], 0)
+        if n > 0:
+            yield from scores0(0)
+        for it in range(n):
+            r_end(half["0L"], it); r_end(half["0R"], it); r_end(rope0, it); r_end(q, "Q")  # wait_wgmma(0): S_0
+            write(m0, it); B["max_ready"][0].arrive(); yield "ok"
+            r_start(half["0L"], it); yield "pv"; r_end(half["0L"], it)  # O_L += P0 V0L, waited
+            B["kv_free"][0].arrive(); yield "ok"
+            if mutation == "flags_late": read(valid[0], it)
+            yield from wait(B["max_ready"][1], it & 1); read(m1, it)
+            if rope0.version != it: raise Hazard("P0 written into the rope buffer of another pair")
+            write(rope0, ("P0", it)); yield "ok"
+            P_READY[0].arrive("wg0"); yield "ok"
+            yield from sync(P_READY[1], "wg0")
+            r_start(p1, it); r_start(half["1L"], it); yield "pv"  # O_L += P1 V1L in flight
+            if it + 1 < n:
+                if mutation == "free_early":
+                    B["kv_free"][2].arrive(); yield "ok"
+                yield from scores0(it + 1)
+                r_end(p1, it); r_end(half["1L"], it)  # wait_wgmma(1)
+                if mutation != "free_early":
+                    B["kv_free"][2].arrive(); yield "ok"
+            else:
+                r_end(p1, it); r_end(half["1L"], it); B["kv_free"][2].arrive(); yield "ok"
+        write(l0, 0); B["l_ready"].arrive(); yield from wait(B["l_ready"], 0); read(l1, 0)
+        write(q, "O_L"); yield "stored"
     def wg1():
-        for k, n in enumerate(tiles):
-            yield from wait(B["q_ready"], k & 1)
-            for it in range(n):
-                j = starts[k] + it
-                yield from wait(B["kv_ready"][3], j & 1); r_start(half["1R"], j); q_reads(r_start, k)
-                yield from wait(B["kv_ready"][2], j & 1); r_start(half["1L"], j); yield "qk"
-                r_end(half["1R"], j); r_end(half["1L"], j); q_reads(r_end, k)
-                read(valid[1], j)
-                yield from wait(B["max_ready"][0], j & 1); read(m0, j)
-                write(m1, j); B["max_ready"][1].arrive(); yield "ok"
-                r_start(half["1R"], j); yield "pv"  # O_R += P1 V1R in flight
-                write(p1, j); yield "ok"
+        B["q_ready"].arrive(); yield from wait(B["q_ready"], 0)
+        for it in range(n):
+            yield from wait(B["kv_ready"][3], it & 1); read(valid[1], it); r_start(half["1R"], it); r_start(q, "Q")
+            yield from wait(B["kv_ready"][2], it & 1); r_start(half["1L"], it); yield "qk"
+            r_end(half["1R"], it); r_end(half["1L"], it); r_end(q, "Q")
+            yield from wait(B["max_ready"][0], it & 1); read(m0, it)
+            write(m1, it); B["max_ready"][1].arrive(); yield "ok"
+            r_start(half["1R"], it); yield "pv"  # O_R += P1 V1R in flight
+            write(p1, it); yield "ok"
+            if mutation != "no_p_sync":
                 yield from sync(P_READY[0], "wg1")
-                r_start(rope0, ("P0", j)); r_start(half["0R"], j); yield "pv"
-                P_READY[1].arrive("wg1"); yield "ok"
-                r_end(half["1R"], j); B["kv_free"][3].arrive(); yield "ok"  # wait_wgmma(1)
-                r_end(rope0, ("P0", j)); r_end(half["0R"], j); B["kv_free"][1].arrive(); yield "ok"  # wait_wgmma(0)
-            write(l1, k); B["l_ready"].arrive(); yield from wait(B["l_ready"], k & 1); read(l0, k)
-            write(q[1], ("out", k)); yield "staged"; read(q[1], ("out", k))  # O_R stored
-            if mutation != "no_q_free":
-                yield from sync(Q_FREE, "wg1")
+            r_start(rope0, ("P0", it)); r_start(half["0R"], it); yield "pv"
+            P_READY[1].arrive("wg1"); yield "ok"
+            r_end(half["1R"], it); B["kv_free"][3].arrive(); yield "ok"  # wait_wgmma(1)
+            r_end(rope0, ("P0", it)); r_end(half["0R"], it); B["kv_free"][1].arrive(); yield "ok"  # wait_wgmma(0)
+        write(l1, 0); B["l_ready"].arrive(); yield from wait(B["l_ready"], 0); read(l0, 0)
+        yield "stored"  # O_R into q_s beside O_L (after l_ready: every product has read Q)
 
     actors = {"producer": producer(), "wg0": wg0(), "wg1": wg1()}
     steps = 0
@@ -232,17 +214,15 @@ def run_fp8(n_tiles, seed, stages=4):
 
 
 if __name__ == "__main__":
-    rnd = random.Random(0)
-    for case in range(300):
-        tiles = [rnd.choice([0, 1, 1, 2, 3, 4]) for _ in range(rnd.randint(0, 5))]
-        for seed in range(20):
-            run(tiles, seed)
-    print("staggered forward: no deadlock, no hazard for 300 tile sequences of 0..4 pairs, 20 interleavings each")
-    for mutation in ("no_q_free", "mask_late_free", "one_phase"):
+    for n in range(0, 7):
+        for seed in range(400):
+            run(n, seed)
+    print("staggered forward: no deadlock, no hazard for 0..6 pairs, 400 interleavings each")
+    for mutation in ("flags_late", "no_p_sync", "free_early"):
         caught = 0
         for seed in range(200):
             try:
-                run([3, 1, 2, 4], seed, mutation)
+                run(3, seed, mutation)
             except Hazard:
                 caught += 1
         print(f"  mutation {mutation}: caught in {caught} of 200 interleavings")
