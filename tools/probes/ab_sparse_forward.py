@@ -12,8 +12,10 @@ inputs in its own layout, and ``public`` is this tree's public call on the bench
 indices (`sparse_mla_tilelang(..., validate=False)`: the padding, the zero row and the block counts
 included). Every round also times each entry back to back (30 calls queued one after another, the
 mean; `bench_peers.back_to_back_ms`). Each row records the times, the TFLOP/s of the faster round,
-each entry's speed against this tree's kernel, and whether a variant's ``out`` and ``lse`` equal
-this tree's bit for bit.
+each entry's speed against this tree's kernel, whether a variant's ``out`` and ``lse`` equal
+this tree's bit for bit, and (with ``--peers``) FlashMLA's time over the public call's in each round,
+in GPU time and back to back (above 1: the public call is faster; compare within a round, since
+clocks drift between rounds).
 """
 import argparse
 import importlib.util
@@ -93,6 +95,9 @@ def main() -> int:
             if name in modules and name != "tree":
                 o, lse = runs[name]()
                 row[f"{name}_same_as_tree"] = bool(torch.equal(o, ref_out) and torch.equal(lse, ref_lse))
+        if "flashmla" in runs:  # issue 21's ratio: FlashMLA's time over the public call's, round by round
+            row["public_vs_flashmla_by_round"] = [f / p for f, p in zip(times["flashmla"], times["public"])]
+            row["public_b2b_vs_flashmla_by_round"] = [f / p for f, p in zip(b2b["flashmla"], b2b["public"])]
         print(json.dumps(row), flush=True)
         out["rows"].append(row)
     with open(args.out, "w") as f:
