@@ -26,15 +26,16 @@ Three schedules of the same math:
   4096 x 8192 and level with it at 16384 x 16384 in the same process (docs, chapter 5).
 
 Conventions at this boundary: indices int32 (int64 too for the staggered kernel), ``-1`` = unused
-slot, natural-log LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds one extra row of zeros at its end
-(the wrapper appends it, `dsa_ref.kernels.autograd.with_zero_row`): a ``-1`` slot reads that row,
-so whatever the other rows hold, an unused slot adds exact zeros to every product (a masked
-probability times a NaN row would be NaN). No gather reads outside ``KV`` for an index out of
-range (the wrapper raises for it after the launch): the simple kernel clamps the row into
-``[0, S]``, the warp-specialised one's copies are guarded by TileLang. ``K`` must be
-a multiple of 64 (the wrapper pads with ``-1``). ``K`` is not a compile-time constant: one
-compiled kernel serves every top-k. Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the
-``-1`` padding of short windows (early queries of a causal sequence) costs nothing.
+slot, natural-log LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds
+one extra row of zeros at its end (the wrapper appends it, `dsa_ref.kernels.autograd.with_zero_row`):
+a ``-1`` slot reads that row, so whatever the other rows hold, an unused slot adds exact zeros to
+every product (a masked probability times a NaN row would be NaN). No gather reads outside ``KV``
+for an index out of range (the wrapper raises for it after the launch): the simple and staggered
+kernels clamp the row into ``[0, S]``, the warp-specialised one's copies are guarded by TileLang.
+``K`` must be a multiple of 64 (the wrapper pads with ``-1``). ``K`` is not a compile-time
+constant: one compiled kernel serves every top-k. Each row visits only its blocks up to the last
+valid slot (``NumBlocks``), so the ``-1`` padding of short windows (early queries of a causal
+sequence) costs nothing.
 """
 
 
