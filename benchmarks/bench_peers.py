@@ -775,11 +775,12 @@ def _tilelang_pipelined_fwd(x: Inputs, lib: Family) -> Bench:
     return Bench(run, check, note=note)
 
 
-def _dsa_ref_sparse_bwd(x: Inputs, lib: Family) -> Bench:
+def _dsa_ref_sparse_bwd(x: Inputs, lib: Family, backward: str = "one_pass") -> Bench:
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
     q, kv = x.q.detach().requires_grad_(True), x.kv.detach().requires_grad_(True)
-    out, _ = sparse_mla_tilelang(q, kv, x.idx, sm_scale=x.sm_scale, d_v=x.dims.dim_v, validate=False)
+    out, _ = sparse_mla_tilelang(q, kv, x.idx, sm_scale=x.sm_scale, d_v=x.dims.dim_v, validate=False,
+                                 backward=backward)
 
     def call(d_out):
         return torch.autograd.grad(out, (q, kv), d_out, retain_graph=True)
@@ -1001,6 +1002,8 @@ IMPLS: list[Impl] = [
          _tilelang_pipelined_fwd, "tilelang_deepseek_v32"),
     Impl("dsa_ref", "dsa_ref", "sparse_bwd", "torch.autograd.grad(out, (q, kv), d_out) through sparse_mla_tilelang",
          _dsa_ref_sparse_bwd, "dsa_ref"),
+    Impl("dsa_ref_two_pass", "dsa_ref", "sparse_bwd", "the same with sparse_mla_tilelang(..., backward='two_pass')",
+         functools.partial(_dsa_ref_sparse_bwd, backward="two_pass"), "dsa_ref"),
     Impl("megatron", "megatron", "sparse_bwd", "ops.tilelang_sparse_mla_bwd.sparse_mla_bwd(q, kv, out, d_out, indices, "
          "lse, sm_scale=) -> dq, dkv (out, lse from its forward)", _megatron_sparse_bwd, "megatron_tilelang_ops"),
     Impl("tilelang", "tilelang", "sparse_bwd", "sparse_mla_bwd.sparse_mla_bwd(q, kv, out, d_out, indices, lse, "

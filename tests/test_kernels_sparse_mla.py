@@ -93,8 +93,9 @@ def test_forward_staggered_reads_int32_and_int64_indices_alike():
     assert torch.equal(out64, out32) and torch.equal(lse64, lse32)
 
 
+@pytest.mark.parametrize("backward", ["one_pass", "two_pass"])
 @pytest.mark.parametrize("H", [16, 32, 64, 128])
-def test_backward_matches_reference(H):
+def test_backward_matches_reference(H, backward):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
     T, S = 150, 300
@@ -105,7 +106,7 @@ def test_backward_matches_reference(H):
     d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
 
     qk, kvk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
-    out, lse = sparse_mla_tilelang(qk, kvk, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    out, lse = sparse_mla_tilelang(qk, kvk, idx, sm_scale=SM_SCALE, d_v=DIM_V, backward=backward)
     (out.float() * d_out.float()).sum().backward()
 
     qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
@@ -154,6 +155,81 @@ def test_backward_kernel_schedules_match_reference(knobs):
     assert rel_l2(dq, qr.grad) < REL_GRAD
     assert rel_l2(dkv, kvr.grad) < REL_GRAD
     assert (dq[5] == 0).all()
+
+
+def _two_pass_cases():
+    """(name, T, S, H, indices): messy slots (duplicates, -1 anywhere, empty rows, K = 100 padded to
+    128), packed causal windows with an empty and a length-1 sequence, one CP rank's zigzag shard."""
+    from dsa_ref import cp_shard_index
+
+    cu = torch.tensor([0, 1, 64, 64, 200, 512])
+    cu_cp = torch.tensor([0, 128, 512])
+    qi = cp_shard_index(cu_cp, 2, 1)
+    messy = messy_indices(150, 300, 100, seed=3)
+    messy[:, 2:6] = 7
+    return [("messy_k100_h16", 150, 300, 16, messy), ("messy_k100_h128", 150, 300, 128, messy),
+            ("packed_h64", 512, 512, 64, causal_packed_indices(cu, TEST_TOPK)),
+            ("cp_rank1_h128", qi.numel(), 512, 128, causal_packed_indices(cu_cp, TEST_TOPK, query_index=qi))]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunks_of_7"])
+def test_two_pass_backward_matches_one_pass_and_reference(chunked):
+    """The two passes against the one-pass kernel on the same prepared inputs (``dq`` to rounding,
+    ``dkv`` to the order of fp32 additions) and both against float64; NaN in every kv row no slot
+    selects (the zero row's place included) changes nothing; in chunks of 7 queries (last one short)
+    the result is the same as in one chunk."""
+    from dsa_ref.kernels import sparse_mla_bwd as bwd
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices, with_zero_row
+    from dsa_ref.kernels.sparse_mla_bwd_two_pass import two_pass_backward
+
+    for name, T, S, H, idx in _two_pass_cases():
+        q, kv = _inputs(T, S, H, seed=len(name))
+        g = torch.Generator(device="cpu").manual_seed(T)
+        d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
+        qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+        ref_out, ref_lse = sparse_mla(qr, kvr, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+        (ref_out * d_out.double()).sum().backward()
+
+        idx32 = _pad_indices(idx, 64)
+        delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
+        lse2 = _base2_lse(ref_lse).float().contiguous()  # [T, H]
+        dkv1 = torch.zeros(S + 1, DIM, dtype=torch.float32, device="cuda")
+        dq1 = bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE)(q, with_zero_row(kv), d_out, idx32,
+                                                          _block_counts(idx32, bwd.BLOCK_S), lse2, delta, dkv1)
+        read = torch.zeros(S, dtype=torch.bool, device="cuda")
+        read[idx[idx >= 0]] = True
+        dirty = kv.clone()
+        dirty[~read] = float("nan")  # rows no slot selects
+        budget = 7 * 2 * H * idx32.shape[1] * 2 if chunked else 1 << 30
+        dq2, dkv2 = two_pass_backward(q, with_zero_row(dirty), d_out, idx32, lse2, delta, sm_scale=SM_SCALE,
+                                      d_v=DIM_V, buffer_bytes=budget)
+
+        assert torch.isfinite(dq2).all() and torch.isfinite(dkv2[:-1]).all(), name
+        assert rel_l2(dq2, dq1) < 1e-3, name
+        assert rel_l2(dkv2[:-1], dkv1[:-1]) < 1e-5, name
+        assert (dkv2[:-1][~read] == 0).all(), name
+        assert rel_l2(dq2, qr.grad) < REL_GRAD and rel_l2(dkv2[:-1], kvr.grad) < REL_GRAD, name
+        empty = (idx < 0).all(dim=1)
+        assert (dq2[empty] == 0).all(), name
+
+
+def test_two_pass_backward_through_the_public_call_and_lse():
+    """``backward="two_pass"`` through `sparse_mla_tilelang` (staggered forward, int64 indices), with
+    a gradient on ``lse`` too; an unknown ``backward`` is a ValueError."""
+    from dsa_ref.kernels.autograd import sparse_mla_tilelang
+
+    T, S, H = 64, 200, 128
+    q, kv = _inputs(T, S, H, seed=2)
+    idx = messy_indices(T, S, TEST_TOPK, seed=9)
+    qk, kvk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+    out, lse = sparse_mla_tilelang(qk, kvk, idx, sm_scale=SM_SCALE, d_v=DIM_V, backward="two_pass")
+    (out.float().sum() + lse[torch.isfinite(lse)].sum()).backward()
+    qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+    ref_out, ref_lse = sparse_mla(qr, kvr, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    (ref_out.sum() + ref_lse[torch.isfinite(ref_lse)].sum()).backward()
+    assert rel_l2(qk.grad, qr.grad) < REL_GRAD and rel_l2(kvk.grad, kvr.grad) < REL_GRAD
+    with pytest.raises(ValueError, match="backward must be"):
+        sparse_mla_tilelang(q, kv, idx, sm_scale=SM_SCALE, d_v=DIM_V, backward="fused")
 
 
 @pytest.mark.parametrize("H", [16, 32, 64, 128])

@@ -61,10 +61,11 @@ def _block_numbers(num_blocks: int, device: torch.device) -> torch.Tensor:
 def with_zero_row(x: torch.Tensor) -> torch.Tensor:
     """``[S, D] -> [S + 1, D]`` contiguous: ``x`` and one row of zeros after it.
 
-    The kernels gather row ``S`` for a ``-1`` slot, so an unused slot multiplies zeros into every
-    product instead of whatever row 0 holds: garbage in rows no slot selects never reaches an
-    output, an LSE or a gradient (a masked probability times a NaN row would still be NaN). One
-    copy of ``x``, small beside the attention it feeds.
+    The simple and warp-specialised forwards and the backward gather row ``S`` for a ``-1`` slot,
+    so an unused slot multiplies zeros into every product instead of whatever row 0 holds: garbage
+    in rows no slot selects never reaches an output, an LSE or a gradient (a masked probability
+    times a NaN row would still be NaN). One copy of ``x``, small beside the attention it feeds.
+    (The staggered forward needs none: its copies write zeros for a ``-1`` slot.)
     """
     return torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).contiguous()
 # --8<-- [end:with_zero_row]
@@ -102,10 +103,10 @@ class SparseMLAFunction(torch.autograd.Function):
     """``(out, lse) = sparse_mla(q, kv, indices)`` on TileLang; backward gives ``dq`` and ``dkv``."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, schedule):
+    def forward(ctx, q, kv, indices, sm_scale, d_v, schedule, backward="one_pass"):
         from . import sparse_mla_fwd as fwd
 
-        q, kv = q.contiguous(), with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
+        q, kv = q.contiguous(), kv.contiguous()
         T, H, D = q.shape
         index_dtype = torch.int32
         if schedule == "staggered" and H % 64 == 0:
@@ -113,16 +114,19 @@ class SparseMLAFunction(torch.autograd.Function):
             if indices.dtype == torch.int64:  # read as they are: no int32 copy of [T, K]
                 index_dtype = torch.int64
             kernel = fwd.staggered_kernel(H, D, d_v, float(sm_scale), str(index_dtype).removeprefix("torch."))
-        elif schedule == "warp_specialized" and H % 64 == 0:
-            step = 2 * fwd.BLOCK_I
-            kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
+            kv_rows = kv if kv.shape[0] else with_zero_row(kv)  # [S, D]: a -1 slot's copies zero-fill its row
         else:
-            step = fwd.BLOCK_I
-            kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
+            if schedule == "warp_specialized" and H % 64 == 0:
+                step = 2 * fwd.BLOCK_I
+                kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
+            else:
+                step = fwd.BLOCK_I
+                kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
+            kv_rows = with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         idx = _pad_indices(indices, step, index_dtype)  # [T, K'] int32 or int64
-        out, lse = kernel(q, kv, idx, _block_counts(idx, step))
+        out, lse = kernel(q, kv_rows, idx, _block_counts(idx, step))
         ctx.save_for_backward(q, kv, idx, out, lse)
-        ctx.sm_scale, ctx.d_v = float(sm_scale), d_v
+        ctx.sm_scale, ctx.d_v, ctx.backward = float(sm_scale), d_v, backward
         return out, lse
 
     @staticmethod
@@ -131,6 +135,7 @@ class SparseMLAFunction(torch.autograd.Function):
 
         q, kv, idx, out, lse = ctx.saved_tensors
         idx = idx.to(torch.int32)  # [T, K'] as the backward kernel takes them
+        kv = with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         T, H, D = q.shape
         if d_out is None:
             d_out = torch.zeros_like(out)
@@ -140,17 +145,24 @@ class SparseMLAFunction(torch.autograd.Function):
             # d lse / d s_j = p_j, so a gradient on lse folds into Delta: dS = P * (dP - (Delta - d_lse))
             delta = delta - d_lse.float()
         lse2 = _base2_lse(lse)  # [T, H]
+        if ctx.backward == "two_pass":
+            from .sparse_mla_bwd_two_pass import two_pass_backward
+
+            dq, dkv = two_pass_backward(q, kv, d_out, idx, lse2, delta.contiguous(), sm_scale=ctx.sm_scale,
+                                        d_v=ctx.d_v)  # [T, H, D] bf16, [S + 1, D] fp32
+            return dq, dkv[:-1].to(kv.dtype), None, None, None, None, None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # [S + 1, D]; the zero row's is dropped
         # the forward padded the slots to a multiple of 64, hence of the backward's 32-row blocks
         kernel = bwd.backward_kernel(H, D, ctx.d_v, ctx.sm_scale)
         counts = _block_counts(idx, bwd.BLOCK_S)  # [T]
         dq = kernel(q, kv, d_out, idx, counts, lse2, delta.contiguous(), dkv)
-        return dq, dkv[:-1].to(kv.dtype), None, None, None, None
+        return dq, dkv[:-1].to(kv.dtype), None, None, None, None, None
 # --8<-- [end:sparse_mla_function]
 
 
 # --8<-- [start:sparse_mla_tilelang]
-def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True):
+def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True,
+                        backward="one_pass"):
     """Sparse MLA on TileLang with the readable API's contract (see `dsa_ref.sparse_mla`).
 
     Args:
@@ -166,10 +178,15 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
             not. The minimum and maximum are computed on the GPU next to the kernel and read back
             after the launch: one device sync per call, which waits for the kernel, so the host
             queues nothing further meanwhile. Until the error, no gather reads outside ``kv``
-            (the simple kernel clamps its rows, TileLang guards the warp-specialised one's copies).
+            (the simple and staggered kernels clamp their rows, TileLang guards the
+            warp-specialised one's copies).
             ``False`` skips the check and its sync, for indices that are in range by construction,
             such as those of `dsa_ref.topk_indices`. Out-of-range values are then undefined
             behaviour, in the backward too.
+        backward: ``"one_pass"`` (`dsa_ref.kernels.sparse_mla_bwd.backward_kernel`: ``dQ`` and
+            ``dKV`` in one kernel) or ``"two_pass"``
+            (`dsa_ref.kernels.sparse_mla_bwd_two_pass.two_pass_backward`: ``dQ`` with ``P`` and
+            ``dS`` written out, then ``dKV`` over all heads of a query).
     """
     if kv.dim() == 3:
         kv = kv[:, 0]
@@ -177,13 +194,15 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     reason = sparse_mla_supported(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(f"sparse_mla_tilelang: {reason}")
+    if backward not in ("one_pass", "two_pass"):
+        raise ValueError(f"sparse_mla_tilelang: backward must be 'one_pass' or 'two_pass', got {backward!r}")
     if schedule == "auto":
         if q.shape[1] % 64:
             schedule = "simple"
         else:
             schedule = "staggered" if q.shape[2] - d_v == 64 and d_v % 128 == 0 else "warp_specialized"
     bounds = index_bounds(indices) if validate and indices.numel() else None  # [2] on the GPU, not read yet
-    out, lse = SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule)
+    out, lse = SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, schedule, backward)
     if bounds is not None:
         check_index_range(bounds, kv.shape[0])  # the sync, after the kernel is queued
     return out, lse

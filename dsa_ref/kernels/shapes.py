@@ -92,6 +92,8 @@ def kernel_set():
         jobs.append(("simple", (h, DIM, DIM_V, SM_SCALE)))
         jobs.append(("backward", (h, DIM, DIM_V, SM_SCALE)))
         jobs.append(("delta", (h, DIM_V)))
+        jobs.append(("two_pass_dq", (h, DIM, DIM_V, SM_SCALE)))
+        jobs.append(("two_pass_dkv", (h, DIM, DIM_V)))
         if h % 64 == 0:
             jobs.append(("warp_specialized", (h, DIM, DIM_V, SM_SCALE)))
             jobs += [("staggered", (h, DIM, DIM_V, SM_SCALE, dtype)) for dtype in ("int32", "int64")]
@@ -128,7 +130,7 @@ def kernel_set():
 def build(name, args, kwargs=None):
     """Compile one kernel of `kernel_set` (TileLang caches it on disk)."""
     from . import (attention_target, indexer_bwd, indexer_fwd, indexer_fwd_fp8, indexer_loss_slots, sparse_mla_bwd,
-                   sparse_mla_fwd, topk)
+                   sparse_mla_bwd_two_pass, sparse_mla_fwd, topk)
 
     builders = {
         "simple": sparse_mla_fwd.simple_kernel,
@@ -136,6 +138,8 @@ def build(name, args, kwargs=None):
         "staggered": sparse_mla_fwd.staggered_kernel,
         "backward": sparse_mla_bwd.backward_kernel,
         "delta": sparse_mla_bwd.delta_kernel,
+        "two_pass_dq": sparse_mla_bwd_two_pass.dq_kernel,
+        "two_pass_dkv": sparse_mla_bwd_two_pass.dkv_kernel,
         "indexer": indexer_fwd.indexer_kernel,
         "indexer_fp8": indexer_fwd_fp8.indexer_fp8_kernel,
         "scores_at": indexer_bwd.selected_scores_kernel,
