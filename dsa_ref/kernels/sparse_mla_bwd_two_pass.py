@@ -153,7 +153,7 @@ def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str 
 
 # --8<-- [start:dkv_kernel]
 @functools.lru_cache(maxsize=None)
-def dkv_kernel(heads: int, dim: int, dim_v: int, *, parts: int = 2, rows: int = 8, policy: str = "FullCol",
+def dkv_kernel(heads: int, dim: int, dim_v: int, *, parts: int = 3, rows: int = 64, policy: str = "FullCol",
                overlap: bool = False):
     """Compile pass B: ``dKV[idx] += dS^T Q + P^T dO`` over all heads of each query.
 

@@ -31,8 +31,9 @@ from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE, TEST_TOPK  # noqa: E402
 from dsa_ref.kernels import sparse_mla_bwd_two_pass as tp  # noqa: E402
 
 
-A_POLICIES = ("FullCol",)  # pass A's default is "Square"
-B_VARIANTS = {"parts3": dict(parts=3), "overlap": dict(overlap=True)}  # pass B's default: 2 parts of 288
+A_POLICIES = ()  # pass A's default is "Square"
+B_VARIANTS = {"parts2_rows8": dict(parts=2, rows=8), "parts3_rows32": dict(rows=32), "overlap": dict(overlap=True),
+              "parts6": dict(parts=6)}  # the default: 3 parts of 192 channels, 64 rows staged at once
 
 
 def rel_l2(a, b):
@@ -110,8 +111,9 @@ def time_shape(num_q, num_kv, rounds):
         ka(q, kv0, d_out, idx, counts32, lse2, delta, P, dS, dq_buf)
         return dq_buf
 
-    def run_package():  # chunked (1 GiB of P / dS), block counts and buffers included
-        return tp.two_pass_backward(q, kv0, d_out, idx, lse2, delta, sm_scale=SM_SCALE, d_v=DIM_V)[0]
+    def run_package(buffer_bytes=tp.BUFFER_BYTES):  # chunked as the wrapper runs it, block counts included
+        return tp.two_pass_backward(q, kv0, d_out, idx, lse2, delta, sm_scale=SM_SCALE, d_v=DIM_V,
+                                    buffer_bytes=buffer_bytes)[0]
 
     def run_b():
         dkv2.zero_()
@@ -123,7 +125,8 @@ def time_shape(num_q, num_kv, rounds):
         return dq
 
     runs = {"one_pass": run_one, "pass_a": run_a, "pass_b": run_b, "two_pass": run_ab,
-            "two_pass_backward": run_package}
+            "two_pass_backward": run_package,
+            "two_pass_backward_one_chunk": functools.partial(run_package, buffer_bytes=1 << 34)}
 
     def variant_a(k):
         k(q, kv0, d_out, idx, counts32, lse2, delta, P, dS, dq_buf)
