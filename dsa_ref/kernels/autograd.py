@@ -61,10 +61,11 @@ def _block_numbers(num_blocks: int, device: torch.device) -> torch.Tensor:
 def with_zero_row(x: torch.Tensor) -> torch.Tensor:
     """``[S, D] -> [S + 1, D]`` contiguous: ``x`` and one row of zeros after it.
 
-    The kernels gather row ``S`` for a ``-1`` slot, so an unused slot multiplies zeros into every
-    product instead of whatever row 0 holds: garbage in rows no slot selects never reaches an
-    output, an LSE or a gradient (a masked probability times a NaN row would still be NaN). One
-    copy of ``x``, small beside the attention it feeds.
+    The simple and warp-specialised forwards and the backward gather row ``S`` for a ``-1`` slot,
+    so an unused slot multiplies zeros into every product instead of whatever row 0 holds: garbage
+    in rows no slot selects never reaches an output, an LSE or a gradient (a masked probability
+    times a NaN row would still be NaN). One copy of ``x``, small beside the attention it feeds.
+    (The staggered forward needs none: its copies write zeros for a ``-1`` slot.)
     """
     return torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).contiguous()
 # --8<-- [end:with_zero_row]
@@ -105,7 +106,7 @@ class SparseMLAFunction(torch.autograd.Function):
     def forward(ctx, q, kv, indices, sm_scale, d_v, schedule):
         from . import sparse_mla_fwd as fwd
 
-        q, kv = q.contiguous(), with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
+        q, kv = q.contiguous(), kv.contiguous()
         T, H, D = q.shape
         index_dtype = torch.int32
         if schedule == "staggered" and H % 64 == 0:
@@ -113,14 +114,17 @@ class SparseMLAFunction(torch.autograd.Function):
             if indices.dtype == torch.int64:  # read as they are: no int32 copy of [T, K]
                 index_dtype = torch.int64
             kernel = fwd.staggered_kernel(H, D, d_v, float(sm_scale), str(index_dtype).removeprefix("torch."))
-        elif schedule == "warp_specialized" and H % 64 == 0:
-            step = 2 * fwd.BLOCK_I
-            kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
+            kv_rows = kv if kv.shape[0] else with_zero_row(kv)  # [S, D]: a -1 slot's copies zero-fill its row
         else:
-            step = fwd.BLOCK_I
-            kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
+            if schedule == "warp_specialized" and H % 64 == 0:
+                step = 2 * fwd.BLOCK_I
+                kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
+            else:
+                step = fwd.BLOCK_I
+                kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
+            kv_rows = with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         idx = _pad_indices(indices, step, index_dtype)  # [T, K'] int32 or int64
-        out, lse = kernel(q, kv, idx, _block_counts(idx, step))
+        out, lse = kernel(q, kv_rows, idx, _block_counts(idx, step))
         ctx.save_for_backward(q, kv, idx, out, lse)
         ctx.sm_scale, ctx.d_v = float(sm_scale), d_v
         return out, lse
@@ -131,6 +135,7 @@ class SparseMLAFunction(torch.autograd.Function):
 
         q, kv, idx, out, lse = ctx.saved_tensors
         idx = idx.to(torch.int32)  # [T, K'] as the backward kernel takes them
+        kv = with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         T, H, D = q.shape
         if d_out is None:
             d_out = torch.zeros_like(out)
@@ -166,7 +171,8 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
             not. The minimum and maximum are computed on the GPU next to the kernel and read back
             after the launch: one device sync per call, which waits for the kernel, so the host
             queues nothing further meanwhile. Until the error, no gather reads outside ``kv``
-            (the simple kernel clamps its rows, TileLang guards the warp-specialised one's copies).
+            (the simple and staggered kernels clamp their rows, TileLang guards the
+            warp-specialised one's copies).
             ``False`` skips the check and its sync, for indices that are in range by construction,
             such as those of `dsa_ref.topk_indices`. Out-of-range values are then undefined
             behaviour, in the backward too.

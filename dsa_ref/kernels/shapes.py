@@ -18,8 +18,10 @@ TEST_HEADS = (16, 32, 64, 128)
 INDEXER_HEADS = (16, 32, 64)
 
 
-def _schedule(dkv_layout="rows", tma_reduce=False, prefetch=False, dkv_policy="Square") -> dict:
-    return dict(dkv_layout=dkv_layout, tma_reduce=tma_reduce, prefetch=prefetch, dkv_policy=dkv_policy)
+def _schedule(dkv_layout="rows", tma_reduce=False, prefetch=False, dkv_policy="Square", batch_waits=False, split=2,
+              buffers=1) -> dict:
+    return dict(dkv_layout=dkv_layout, tma_reduce=tma_reduce, prefetch=prefetch, dkv_policy=dkv_policy,
+                batch_waits=batch_waits, split=split, buffers=buffers)
 
 
 # The schedules of `sparse_mla_bwd.backward_kernel` (its knobs) that are tested on the GPU against
@@ -34,9 +36,11 @@ BACKWARD_SCHEDULES = [
     _schedule(dkv_layout="channels", tma_reduce=True),
     _schedule(tma_reduce=True, prefetch=True),
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True),
-    {**_schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"), "batch_waits": True},
-    {**_schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"), "split": 4, "buffers": 2},
     _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow"),
+    _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow", batch_waits=True),
+    _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow", split=4, buffers=2),
+    _schedule(dkv_layout="channels", tma_reduce=True, prefetch=True, dkv_policy="FullRow", batch_waits=True, split=4,
+              buffers=2),
 ]
 
 # The other schedules of the indexer (`indexer_fwd.indexer_kernel`, knobs besides its defaults),

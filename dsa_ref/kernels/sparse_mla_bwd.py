@@ -11,10 +11,11 @@ With ``P = softmax(sigma * Q K_sel^T)`` recomputed from the saved natural-log ``
 One block of threads owns one query and up to 64 of its heads and walks its selected rows 32 at a
 time. Different queries select the same keys, so ``dKV`` is accumulated with fp32 atomic additions
 into a buffer the wrapper zeroes (``-1`` slots add nothing). By default each finished ``[32, 576]``
-block goes through shared memory, 16 rows at a time, and every row is added to ``dKV`` by one
-asynchronous bulk reduction of the copy engine (``cp.reduce.async.bulk``, element-wise atomic),
-so the threads go on while the additions happen. Atomics make ``dKV`` reproducible only up to
-float rounding order.
+block goes through shared memory 8 rows at a time, in two alternating buffers, and every row is
+added to ``dKV`` by one asynchronous bulk reduction of the copy engine (``cp.reduce.async.bulk``,
+element-wise atomic), so the threads go on while the additions happen; the independent warpgroup
+MMAs of a step are issued together and waited for once (``batch_waits``). Atomics make ``dKV``
+reproducible only up to float rounding order.
 
 The block is register-bound: the ``dQ`` accumulator alone holds 144 fp32 registers per thread (of
 255), so schedule changes that keep more values alive spill and lose (see docs/benchmarks.md).
@@ -29,7 +30,7 @@ from ._target import compile_target
 from .sparse_mla_fwd import LOG2E, head_blocking, zero_row_or
 
 BLOCK_S = 32  # selected rows per step
-SPLIT = 2  # the [32, 576] fp32 dKV tile is staged through shared memory in halves
+SPLIT = 4  # the [32, 576] fp32 dKV tile is staged through shared memory in quarters (two buffers)
 
 def _pass_configs(fast_math: bool, bounds_checks: bool) -> dict:
     return {
@@ -94,7 +95,7 @@ __device__ __forceinline__ void dsa_bulk_reduce_add_f32(const float* smem, float
 def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_math: bool = True,
                     policy: str = "Square", bounds_checks: bool = False, dkv_layout: str = "channels",
                     tma_reduce: bool = True, prefetch: bool = True, dkv_policy: str = "FullRow",
-                    batch_waits: bool = False, split: int = SPLIT, buffers: int = 1):
+                    batch_waits: bool | None = None, split: int = SPLIT, buffers: int = 2):
     """Compile the sparse MLA backward for these sizes (any number of queries, keys and slots).
 
     Kernel arguments: ``Q [T, H, D]``, ``KV [S, D]``, ``dO [T, H, dim_v]`` bf16, ``Indices [T, K]``
@@ -121,7 +122,8 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
       ``Q`` and ``dO``), ``"FullRow"`` gives each 256 of the channels.
     * ``batch_waits`` (``"channels"`` only): issue the independent warpgroup MMAs of a step
       together and wait once: ``S`` (both parts) with ``dP``; ``dQ`` (both parts); the three ``dKV``
-      products. Three waits per block instead of eight.
+      products. Three waits per block instead of eight. Needs 64-head blocks (a warpgroup MMA's
+      M = 64); ``None`` (the default) turns it on exactly then.
     * ``split``, ``buffers``: the ``[32, D]`` dKV block is staged ``32 / split`` rows at a time in
       ``buffers`` alternating buffers of shared memory. With one buffer a part waits until the
       copy engine has read the previous one; with two (``split=4, buffers=2``: the same bytes as
@@ -131,6 +133,8 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
         raise ValueError(f"split must be 1, 2, 4 or 8 and buffers 1 or 2 (2 needs split >= 2 and tma_reduce), "
                          f"got split={split}, buffers={buffers}, tma_reduce={tma_reduce}")
     hb, per_query = head_blocking(heads)
+    if batch_waits is None:
+        batch_waits = hb >= 64 and dkv_layout == "channels"
     if dkv_layout not in ("rows", "channels"):
         raise ValueError(f"dkv_layout must be 'rows' or 'channels', got {dkv_layout!r}")
     if batch_waits and dkv_layout != "channels":
@@ -222,7 +226,7 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
             tail_s = T.alloc_shared((BLOCK_S, dim_tail), bf16)
             p_s = T.alloc_shared((hb, BLOCK_S), bf16)
             ds_s = T.alloc_shared((hb, BLOCK_S), bf16)
-            # half a dKV block, whole rows; 4 floats of padding per row spread the transposed
+            # 32 / split rows of a dKV block per buffer; 4 floats of padding per row spread the transposed
             # writes of the "channels" layout over all 32 banks (rows stay 16-byte aligned)
             dkv_stage = T.alloc_shared((buffers, rows_half, dim + 4), f32)
             valid = T.alloc_fragment((BLOCK_S,), "bool")

@@ -26,16 +26,17 @@ Three schedules of the same math:
   4096 x 8192 and level with it at 16384 x 16384 in the same process (docs, chapter 5).
 
 Conventions at this boundary: indices int32 (int64 too for the staggered kernel), ``-1`` = unused
-slot, natural-log LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. ``KV`` holds
-one extra row of zeros at its end (the wrapper appends it, `dsa_ref.kernels.autograd.with_zero_row`):
-a ``-1`` slot reads that row, so whatever the other rows hold, an unused slot adds exact zeros to
-every product (a masked probability times a NaN row would be NaN). No gather reads outside ``KV``
-for an index out of range (the wrapper raises for it after the launch): the simple and staggered
-kernels clamp the row into ``[0, S]``, the warp-specialised one's copies are guarded by TileLang.
-``K`` must be a multiple of 64 (the wrapper pads with ``-1``). ``K`` is not a compile-time
-constant: one compiled kernel serves every top-k. Each row visits only its blocks up to the last
-valid slot (``NumBlocks``), so the ``-1`` padding of short windows (early queries of a causal
-sequence) costs nothing.
+slot, natural-log LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. An unused slot
+gathers a row of zeros, so whatever the other rows hold, it adds exact zeros to every product (a
+masked probability times a NaN row would be NaN): the simple and warp-specialised kernels read one
+extra row of zeros at the end of ``KV`` (the wrapper appends it,
+`dsa_ref.kernels.autograd.with_zero_row`); the staggered kernel's copies write zeros for it without
+reading ``KV``. No gather reads outside ``KV`` for an index out of range (the wrapper raises for it
+after the launch): the simple and staggered kernels clamp the row into ``KV``, the
+warp-specialised one's copies are guarded by TileLang. ``K`` must be a multiple of 64 (the wrapper
+pads with ``-1``). ``K`` is not a compile-time constant: one compiled kernel serves every top-k.
+Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the ``-1`` padding of
+short windows (early queries of a causal sequence) costs nothing.
 """
 
 
@@ -56,6 +57,15 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_I = 64  # selected rows per step
 P_READY = 8  # the staggered kernel's named barriers 8 and 9 (TileLang's own syncs use lower ids)
+
+# One 16-byte ``cp.async`` that copies ``gmem`` when ``used`` and otherwise writes 16 zero bytes
+# without reading anything (PTX ISA: cp.async with a source size, here 16 or 0 bytes).
+_CP_ASYNC_ZFILL = r"""
+__device__ __forceinline__ void dsa_cp_async_zfill_16(void* smem, const void* gmem, bool used) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(used ? 16 : 0) : "memory");
+}
+"""
 
 _PASS_SIMPLE = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
@@ -333,7 +343,10 @@ def copy_half(p, it, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_
     """One half of one stage (Python ints ``stage``, ``right``): channels ``[0, half)`` (L) or
     ``[half, D)`` (R; its rope channels go to the stage's ``rope_s``) of the stage's 64 rows, behind
     its own ``kv_free`` / ``kv_ready`` barrier (index ``2 * stage + right``). The L half of stage 0
-    and the R half of stage 1 come first, so they also carry the stage's validity flags."""
+    and the R half of stage 1 come first, so they also carry the stage's validity flags.
+
+    A ``-1`` slot's row is zero-filled by its copies (``cp.async`` with a source size of 0 bytes:
+    nothing is read), so ``KV`` needs no zero row."""
     dim_v = kv_s.shape[2]
     lo, hi = (half, dim_v) if right else (0, half)
     T.barrier_wait(kv_free[2 * stage + right], (it & 1) ^ 1)
@@ -341,17 +354,16 @@ def copy_half(p, it, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_
         slot = r * 16 + p // 8
         if right == stage:  # (0, L) and (1, R): the stage's first half
             valid_s[stage, slot] = rows[stage, r] >= 0
-        row = zero_row_or(rows[stage, r], num_kv)  # one row per thread: its copies share one base
+        used = T.And(rows[stage, r] >= 0, num_kv > 0)  # else 16 bytes of zeros per copy
+        row = T.max(T.min(rows[stage, r], num_kv - 1), 0)  # one row per thread, clamped into KV
         for u in T.unroll((hi - lo) // 64):
             col = lo + 64 * u + (p % 8) * 8
-            T.ptx_cp_async(
-                T.access_ptr(kv_s[stage, slot, col], "w", 8),
-                T.access_ptr(KV[row, col], "r", 8),
-                8,  # elements: 8 bf16 = one 16-byte cp.async
-            )
+            T.call_extern("handle", "dsa_cp_async_zfill_16", T.access_ptr(kv_s[stage, slot, col], "w", 8),
+                          T.access_ptr(KV[row, col], "r", 8), used)
         if right:  # the rope channels, into their own buffer
-            T.ptx_cp_async(T.access_ptr(rope_s[stage][slot, (p % 8) * 8], "w", 8),
-                           T.access_ptr(KV[row, dim_v + (p % 8) * 8], "r", 8), 8)
+            T.call_extern("handle", "dsa_cp_async_zfill_16",
+                          T.access_ptr(rope_s[stage][slot, (p % 8) * 8], "w", 8),
+                          T.access_ptr(KV[row, dim_v + (p % 8) * 8], "r", 8), used)
     T.cp_async_barrier_noinc(kv_ready[2 * stage + right])
 
 
@@ -362,7 +374,7 @@ def gather_halves(p, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_fr
     Every stage is copied in two halves with their own barriers, in the order the consumers need
     them: stage 0 L, stage 1 R, stage 0 R, stage 1 L. A pair's 8 row indices per thread are loaded
     before its first copy. 16 rows at a time, 8 threads per row, 8 channels (16 bytes) per
-    ``cp.async``; a ``-1`` slot copies the zero row and is marked invalid in ``valid_s``.
+    ``cp.async``; a ``-1`` slot is zero-filled and marked invalid in ``valid_s``.
     """
     for it in T.serial(n_pairs):
         for stage in T.unroll(2):
@@ -465,6 +477,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
             l_ready = T.alloc_barrier(arrive_count=256)
 
             tx = T.get_thread_binding()
+            T.import_source(_CP_ASYNC_ZFILL)
             T.tma_copy(Q[t, h0:h0 + hb, :], q_s, barrier=q_ready)
             T.barrier_arrive(q_ready)
 
