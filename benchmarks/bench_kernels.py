@@ -42,15 +42,19 @@ def _queue_ahead_from_env() -> bool:
     return os.environ.get("DSA_REF_BENCH_QUEUE_AHEAD") == "1"
 
 
-def run_meta() -> dict:
-    """Date, GPU, versions and timing mode of this run, for the ``meta`` of a results JSON."""
+def run_meta(queue_ahead: bool | None = None) -> dict:
+    """Date, GPU, versions and timing mode of this run, for the ``meta`` of a results JSON.
+
+    ``queue_ahead``: how the run times its calls (``cuda_time_ms``'s argument); ``None`` takes the
+    mode ``DSA_REF_BENCH_QUEUE_AHEAD`` selects, as the benchmarks do."""
+    if queue_ahead is None:
+        queue_ahead = _queue_ahead_from_env()
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "timing": ("GPU time, work queued ahead" if _queue_ahead_from_env()
-                   else "one call on an idle GPU, host overhead included"),
+        "timing": "GPU time, work queued ahead" if queue_ahead else "one call on an idle GPU, host overhead included",
     }
     try:
         import tilelang

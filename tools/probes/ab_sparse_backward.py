@@ -12,6 +12,7 @@ default in each round, and whether its ``dQ`` equals the default's bit for bit (
 ``dKV``'s atomic additions may differ in order) and its ``dKV``'s largest difference.
 """
 import argparse
+import ast
 import json
 import os
 import sys
@@ -26,16 +27,18 @@ from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE  # noqa: E402
 
 
 def parse_schedules(text: str) -> dict[str, dict]:
-    """``"split=4,buffers=2;batch_waits=1"`` -> ``{"split=4,buffers=2": {"split": 4, "buffers": 2}, ...}``."""
+    """``"split=4,buffers=2;batch_waits=True,dkv_policy=Square"`` ->
+    ``{"default": {}, "split=4,buffers=2": {"split": 4, "buffers": 2}, ...}`` (Python literals; other
+    values stay strings)."""
+    def value(text):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+
     out = {"default": {}}
     for item in filter(None, (s.strip() for s in text.split(";"))):
-        kw = {}
-        for pair in item.split(","):
-            key, value = pair.split("=", 1)
-            kw[key] = value if not value.lstrip("-").isdigit() else int(value)
-            if kw[key] in ("True", "False"):
-                kw[key] = kw[key] == "True"
-        out[item] = kw
+        out[item] = {key: value(v) for key, v in (pair.split("=", 1) for pair in item.split(","))}
     return out
 
 
@@ -52,7 +55,7 @@ def main() -> int:
 
     schedules = parse_schedules(args.schedules)
     kernels = {name: bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE, **kw) for name, kw in schedules.items()}
-    out = {"meta": run_meta(), "topk": BENCH_TOPK, "schedules": schedules, "rows": []}
+    out = {"meta": run_meta(queue_ahead=True), "topk": BENCH_TOPK, "schedules": schedules, "rows": []}
     for shape in args.shapes.split(","):
         num_q, num_kv = (int(v) for v in shape.split("x"))
         x = shape_inputs(num_q, num_kv)
