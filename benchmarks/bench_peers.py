@@ -775,7 +775,7 @@ def _tilelang_pipelined_fwd(x: Inputs, lib: Family) -> Bench:
     return Bench(run, check, note=note)
 
 
-def _dsa_ref_sparse_bwd(x: Inputs, lib: Family, backward: str = "one_pass") -> Bench:
+def _dsa_ref_sparse_bwd(x: Inputs, lib: Family, backward: str = "auto") -> Bench:
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
     q, kv = x.q.detach().requires_grad_(True), x.kv.detach().requires_grad_(True)
@@ -924,6 +924,18 @@ def _megatron_kl(x: Inputs, lib: Family) -> Bench:
     return Bench(run, lambda: check_kl(*run(), x))
 
 
+def _megatron_kl_autograd(x: Inputs, lib: Family) -> Bench:
+    mod = lib.module("tilelang_indexer_loss")
+    logits = x.kl_logits.detach().requires_grad_(True)
+
+    def run():
+        loss = mod.SparseIndexerKLLoss.apply(x.kl_target, logits, x.kl_valid)
+        (grad,) = torch.autograd.grad(loss, logits)
+        return loss, grad
+
+    return Bench(run, lambda: check_kl(*run(), x))
+
+
 @dataclass(frozen=True)
 class Op:
     """One operation: what it is, how its TFLOP/s are counted (``flop(x)`` -> FLOPs, or ``None``)."""
@@ -1000,10 +1012,10 @@ IMPLS: list[Impl] = [
     Impl("tilelang_pipelined", "tilelang", "sparse_fwd", f"sparse_mla_fwd_pipelined.sparse_mla_fwd_interface({_BSHD}, "
          "q_start, kv_stride=1, sm_scale=, return_kernel=True), then kernel(q, kv, indices, q_start int32 [1])",
          _tilelang_pipelined_fwd, "tilelang_deepseek_v32"),
-    Impl("dsa_ref", "dsa_ref", "sparse_bwd", "torch.autograd.grad(out, (q, kv), d_out) through sparse_mla_tilelang",
-         _dsa_ref_sparse_bwd, "dsa_ref"),
-    Impl("dsa_ref_two_pass", "dsa_ref", "sparse_bwd", "the same with sparse_mla_tilelang(..., backward='two_pass')",
-         functools.partial(_dsa_ref_sparse_bwd, backward="two_pass"), "dsa_ref"),
+    Impl("dsa_ref", "dsa_ref", "sparse_bwd", "torch.autograd.grad(out, (q, kv), d_out) through sparse_mla_tilelang "
+         "(backward='auto': the two-pass backward at 128 heads)", _dsa_ref_sparse_bwd, "dsa_ref"),
+    Impl("dsa_ref_one_pass", "dsa_ref", "sparse_bwd", "the same with sparse_mla_tilelang(..., backward='one_pass')",
+         functools.partial(_dsa_ref_sparse_bwd, backward="one_pass"), "dsa_ref"),
     Impl("megatron", "megatron", "sparse_bwd", "ops.tilelang_sparse_mla_bwd.sparse_mla_bwd(q, kv, out, d_out, indices, "
          "lse, sm_scale=) -> dq, dkv (out, lse from its forward)", _megatron_sparse_bwd, "megatron_tilelang_ops"),
     Impl("tilelang", "tilelang", "sparse_bwd", "sparse_mla_bwd.sparse_mla_bwd(q, kv, out, d_out, indices, lse, "
@@ -1031,6 +1043,9 @@ IMPLS: list[Impl] = [
          "reduction='sum') + torch.autograd.grad (PyTorch)", functools.partial(_dsa_ref_kl, kernel=False)),
     Impl("megatron", "megatron", "kl_loss", "ops.tilelang_indexer_loss.sparse_indexer_kl_interface(target, scores, "
          "valid) -> kl_sum, d_scores", _megatron_kl),
+    Impl("megatron_autograd", "megatron", "kl_loss", "ops.tilelang_indexer_loss.SparseIndexerKLLoss.apply(target, "
+         "scores, valid) + torch.autograd.grad (Megatron's autograd bridge: the backward scales the saved "
+         "gradient, as dsa_ref's)", _megatron_kl_autograd),
 ]
 
 

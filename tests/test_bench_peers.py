@@ -113,13 +113,26 @@ def fake_megatron_modules():
             (grad,) = torch.autograd.grad(loss, logits)
         return loss.float(), grad.float()
 
+    class SparseIndexerKLLoss(torch.autograd.Function):  # Megatron's bridge: saves the gradient, scales it
+        @staticmethod
+        def forward(ctx, target, index_logits, valid_mask):
+            kl_sum, grad_logits = sparse_indexer_kl_interface(target, index_logits, valid_mask)
+            ctx.save_for_backward(grad_logits)
+            return kl_sum
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            (grad_logits,) = ctx.saved_tensors
+            return None, grad_logits * grad_output, None
+
     return {
         "tilelang_sparse_mla_fwd": SimpleNamespace(sparse_mla_fwd_interface=sparse_mla_fwd_interface),
         "tilelang_sparse_mla_bwd": SimpleNamespace(sparse_mla_bwd=sparse_mla_bwd),
         "tilelang_indexer_fwd": SimpleNamespace(indexer_fwd_interface=indexer_fwd_interface),
         "tilelang_indexer_bwd": SimpleNamespace(indexer_bwd_interface=indexer_bwd_interface),
         "tilelang_indexer_loss": SimpleNamespace(sparse_indexer_target_interface=sparse_indexer_target_interface,
-                                                 sparse_indexer_kl_interface=sparse_indexer_kl_interface),
+                                                 sparse_indexer_kl_interface=sparse_indexer_kl_interface,
+                                                 SparseIndexerKLLoss=SparseIndexerKLLoss),
     }
 
 

@@ -162,7 +162,7 @@ class SparseMLAFunction(torch.autograd.Function):
 
 # --8<-- [start:sparse_mla_tilelang]
 def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True,
-                        backward="one_pass"):
+                        backward="auto"):
     """Sparse MLA on TileLang with the readable API's contract (see `dsa_ref.sparse_mla`).
 
     Args:
@@ -184,9 +184,11 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
             such as those of `dsa_ref.topk_indices`. Out-of-range values are then undefined
             behaviour, in the backward too.
         backward: ``"one_pass"`` (`dsa_ref.kernels.sparse_mla_bwd.backward_kernel`: ``dQ`` and
-            ``dKV`` in one kernel) or ``"two_pass"``
+            ``dKV`` in one kernel), ``"two_pass"``
             (`dsa_ref.kernels.sparse_mla_bwd_two_pass.two_pass_backward`: ``dQ`` with ``P`` and
-            ``dS`` written out, then ``dKV`` over all heads of a query).
+            ``dS`` written out, then ``dKV`` over all heads of a query; 1 GiB of extra memory at
+            most), or ``"auto"``: the two-pass one when ``H`` is a multiple of 128 (where it was
+            measured faster), else the one-pass one.
     """
     if kv.dim() == 3:
         kv = kv[:, 0]
@@ -194,8 +196,10 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     reason = sparse_mla_supported(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(f"sparse_mla_tilelang: {reason}")
-    if backward not in ("one_pass", "two_pass"):
-        raise ValueError(f"sparse_mla_tilelang: backward must be 'one_pass' or 'two_pass', got {backward!r}")
+    if backward not in ("auto", "one_pass", "two_pass"):
+        raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
+    if backward == "auto":
+        backward = "two_pass" if q.shape[1] % 128 == 0 else "one_pass"
     if schedule == "auto":
         if q.shape[1] % 64:
             schedule = "simple"

@@ -6,8 +6,9 @@
    H = 128 (messy indices, duplicates, an empty row).
 2. At each shape (bench_kernels' causal top-2048), on the wrapper's prepared operands: the one-pass
    kernel, pass A alone, pass B alone, A + B on whole-size ``P`` / ``dS`` buffers,
-   `two_pass_backward` as the autograd wrapper calls it (chunks of 1 GiB of buffers, block counts
-   included) and the variants in ``A_POLICIES`` / ``B_VARIANTS``; GPU time (work queued ahead, median of
+   `two_pass_backward` as the autograd wrapper calls it (1 GiB of buffers: two of 512 MiB with
+   pass B on a second stream, block counts included), the same in order on one stream, in one
+   chunk, the whole backward through `sparse_mla_tilelang` with each ``backward`` and the variants in ``A_POLICIES`` / ``B_VARIANTS``; GPU time (work queued ahead, median of
    20) in rounds that alternate them; TFLOP/s counted on the backward's FLOPs; ``dQ`` and ``dKV``
    against the one-pass kernel's; the fastest pass A with the fastest pass B.
 """
@@ -32,8 +33,8 @@ from dsa_ref.kernels import sparse_mla_bwd_two_pass as tp  # noqa: E402
 
 
 A_POLICIES = ()  # pass A's default is "Square"
-B_VARIANTS = {"parts2_rows8": dict(parts=2, rows=8), "parts3_rows32": dict(rows=32), "overlap": dict(overlap=True),
-              "parts6": dict(parts=6)}  # the default: 3 parts of 192 channels, 64 rows staged at once
+B_VARIANTS = {}  # the default: 3 parts of 192 channels, 64 rows staged at once (2026-12-07_h100_ab_two_pass_backward*.json
+# measured parts=2/rows=8, rows=32, parts=6 and overlap=True; none won)
 
 
 def rel_l2(a, b):
@@ -111,9 +112,18 @@ def time_shape(num_q, num_kv, rounds):
         ka(q, kv0, d_out, idx, counts32, lse2, delta, P, dS, dq_buf)
         return dq_buf
 
-    def run_package(buffer_bytes=tp.BUFFER_BYTES):  # chunked as the wrapper runs it, block counts included
+    def run_package(buffer_bytes=tp.BUFFER_BYTES, pipelined=True):  # as the wrapper runs it, block counts included
         return tp.two_pass_backward(q, kv0, d_out, idx, lse2, delta, sm_scale=SM_SCALE, d_v=DIM_V,
-                                    buffer_bytes=buffer_bytes)[0]
+                                    buffer_bytes=buffer_bytes, pipelined=pipelined)[0]
+
+    # the whole backward through the public call (delta kernel, zero row, block counts, dkv cast included)
+    qg, kvg = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
+    public = {mode: sparse_mla_tilelang(qg, kvg, indices, sm_scale=SM_SCALE, d_v=DIM_V, validate=False,
+                                        backward=mode)[0] for mode in ("one_pass", "two_pass")}
+
+    def run_public(mode):
+        qg.grad = kvg.grad = None
+        torch.autograd.backward(public[mode], d_out, retain_graph=True)
 
     def run_b():
         dkv2.zero_()
@@ -126,7 +136,10 @@ def time_shape(num_q, num_kv, rounds):
 
     runs = {"one_pass": run_one, "pass_a": run_a, "pass_b": run_b, "two_pass": run_ab,
             "two_pass_backward": run_package,
-            "two_pass_backward_one_chunk": functools.partial(run_package, buffer_bytes=1 << 34)}
+            "two_pass_backward_in_order": functools.partial(run_package, pipelined=False),
+            "two_pass_backward_one_chunk": functools.partial(run_package, buffer_bytes=1 << 34),
+            "public_one_pass": functools.partial(run_public, "one_pass"),
+            "public_two_pass": functools.partial(run_public, "two_pass")}
 
     def variant_a(k):
         k(q, kv0, d_out, idx, counts32, lse2, delta, P, dS, dq_buf)
@@ -161,8 +174,14 @@ def time_shape(num_q, num_kv, rounds):
     for name in extra_b:
         runs[name]()
         row[name]["dkv_rel_l2"] = rel_l2(dkv2, dkv1)
+    run_public("one_pass")
+    g1 = (qg.grad.clone(), kvg.grad.clone())
+    run_public("two_pass")
+    row["public_two_pass"]["dq_rel_l2"] = rel_l2(qg.grad, g1[0])
+    row["public_two_pass"]["dkv_rel_l2"] = rel_l2(kvg.grad, g1[1])
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    del dq3, dkv3
+    row["public_two_pass"]["vs_one_pass"] = med["public_one_pass"] / med["public_two_pass"]
+    del dq3, dkv3, g1
     best_a = min([k for k in med if k.startswith("pass_a")], key=med.get)
     best_b = min([k for k in med if k.startswith("pass_b")], key=med.get)
     row["best_pair"] = {"a": best_a, "b": best_b, "gpu_ms_sum_of_medians": med[best_a] + med[best_b],
