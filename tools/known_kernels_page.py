@@ -214,6 +214,13 @@ def findings_section(results: dict | None) -> list[str]:
         meg = [r["ratio_to_dsa_ref"] for r in _ok_recs(results, "sparse_bwd", "megatron") if r.get("ratio_to_dsa_ref")]
         if meg:
             text += f" dsa_ref is {_range([1 / x for x in meg], '.1f')}x faster than Megatron's kernel."
+        one = {r["shape"]: r for r in _ok_recs(results, "sparse_bwd", "dsa_ref_one_pass")}
+        if one and all(r.get("tflops") for r in one.values()):
+            mine = {r["shape"]: r for r in bwd}
+            ratio = [one[s]["ms_per_call"] / mine[s]["ms_per_call"] for s in one if s in mine]
+            text += (f" The one-pass kernel (`backward=\"one_pass\"`) runs at "
+                     f"{_range([r['tflops'] for r in one.values()], '.0f')} TFLOP/s: the default is "
+                     f"x{_range(ratio, '.2f')} its speed.")
         lines.append(text)
     idx = {r["impl"]: [] for r in results["results"] if r["op"] == "indexer_fwd"}
     for impl in idx:
@@ -238,7 +245,17 @@ def findings_section(results: dict | None) -> list[str]:
                      "Megatron's speed. ")
         what = ("PyTorch (`indexer_loss_on_slots` and its autograd)" if pytorch
                 else "forward and backward of `indexer_loss_on_slots_tilelang`")
-        text += (f"dsa_ref's autograd call ({what}) runs at x{_range([1 / x for x in kl], '.2f')} the speed of "
+        bridge = {r["shape"]: r["ms_per_call"] for r in _ok_recs(results, "kl_loss", "megatron_autograd")}
+        own_ms = {r["shape"]: r["ms_per_call"] for r in own}
+        paired = [s for s in own_ms if s in bridge]
+        if paired:  # autograd against autograd: both backwards scale the saved gradient
+            ratio = [bridge[s] / own_ms[s] for s in paired]  # > 1: dsa_ref's call is faster
+            who = "faster than" if min(ratio) > 1 else "slower than" if max(ratio) < 1 else "beside"
+            text += (f"Autograd call against autograd call ({what} against Megatron's `SparseIndexerKLLoss`, "
+                     f"whose backward scales the saved gradient as dsa_ref's does), dsa_ref's is {who} "
+                     f"Megatron's: x{_range(ratio, '.2f')} its speed. ")
+        text += (f"dsa_ref's autograd call{'' if paired else f' ({what})'} runs at "
+                 f"x{_range([1 / x for x in kl], '.2f')} the speed of "
                  "Megatron's raw call; its backward scales the gradient by the upstream one, a pass over "
                  "`[T, K]` that a raw call leaves to its caller.")
         lines.append(text)
