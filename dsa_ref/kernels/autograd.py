@@ -160,6 +160,15 @@ class SparseMLAFunction(torch.autograd.Function):
 # --8<-- [end:sparse_mla_function]
 
 
+# Where backward="auto" takes the two-pass backward (at 128 heads). Measured through the public call on
+# an H100 (2026-12-07, benchmarks/results/2026-12-07_h100_peers_sparse_kl.json, ..._peers_bwd_long_kv.json),
+# two-pass against one-pass: 1.07x / 1.06x / 1.045x at 4096x8192, 8192x8192, 16384x16384 causal, 0.98x at
+# 4096x16384 uniform, 0.92x at 4096x24576 uniform, 0.90x at 4096x32768 (causal and uniform). Pass B is one
+# scatter-add into the fp32 dkv [S, 576] after another; past ~16K keys dkv (2.3 KB a key) outgrows the
+# 50 MB L2, where the one-pass kernel hides its additions behind its own products.
+TWO_PASS_MAX_KEYS = 16384
+
+
 # --8<-- [start:sparse_mla_tilelang]
 def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True,
                         backward="auto"):
@@ -187,8 +196,8 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
             ``dKV`` in one kernel), ``"two_pass"``
             (`dsa_ref.kernels.sparse_mla_bwd_two_pass.two_pass_backward`: ``dQ`` with ``P`` and
             ``dS`` written out, then ``dKV`` over all heads of a query; 1 GiB of extra memory at
-            most), or ``"auto"``: the two-pass one when ``H`` is a multiple of 128 (where it was
-            measured faster), else the one-pass one.
+            most), or ``"auto"``: the two-pass one when ``H`` is a multiple of 128 and there are at
+            most `TWO_PASS_MAX_KEYS` keys, else the one-pass one (see `TWO_PASS_MAX_KEYS`).
     """
     if kv.dim() == 3:
         kv = kv[:, 0]
@@ -199,7 +208,7 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     if backward not in ("auto", "one_pass", "two_pass"):
         raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
     if backward == "auto":
-        backward = "two_pass" if q.shape[1] % 128 == 0 else "one_pass"
+        backward = "two_pass" if q.shape[1] % 128 == 0 and kv.shape[0] <= TWO_PASS_MAX_KEYS else "one_pass"
     if schedule == "auto":
         if q.shape[1] % 64:
             schedule = "simple"

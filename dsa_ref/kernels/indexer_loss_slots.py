@@ -149,6 +149,12 @@ def slot_kl_tilelang(slot_scores: torch.Tensor, attention_mass: torch.Tensor,
         if not x.is_cuda or x.dtype != dtype or not x.is_contiguous():
             raise ValueError(f"slot_kl_tilelang: {name} must be a contiguous {dtype} CUDA tensor, got "
                              f"{x.dtype} on {x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+    return _slot_kl(slot_scores, attention_mass, valid)
+
+
+def _slot_kl(slot_scores: torch.Tensor, attention_mass: torch.Tensor,
+             valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`slot_kl_tilelang` on arguments already checked (the autograd path checks them once)."""
     num_rows, width = slot_scores.shape
     d_scores = torch.empty((num_rows, width), dtype=torch.float32, device=slot_scores.device)  # [T, K]
     kl_rows = torch.empty((num_rows,), dtype=torch.float32, device=slot_scores.device)  # [T]
@@ -166,7 +172,7 @@ class SlotKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, slot_scores: torch.Tensor, mass: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        total, d_scores = slot_kl_tilelang(slot_scores, mass, valid)  # [], [T, K]
+        total, d_scores = _slot_kl(slot_scores, mass, valid)  # [], [T, K]; checked by the caller
         ctx.save_for_backward(d_scores)
         return total
 
