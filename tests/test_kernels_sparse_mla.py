@@ -172,14 +172,12 @@ def _two_pass_cases():
             ("cp_rank1_h128", qi.numel(), 512, 128, causal_packed_indices(cu_cp, TEST_TOPK, query_index=qi))]
 
 
-@pytest.mark.parametrize("chunked,pipelined", [(False, True), (True, False), (True, True)],
-                         ids=["one_chunk", "chunks_of_7", "chunks_of_3_on_two_streams"])
-def test_two_pass_backward_matches_one_pass_and_reference(chunked, pipelined):
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunks_of_7"])
+def test_two_pass_backward_matches_one_pass_and_reference(chunked):
     """The two passes against the one-pass kernel on the same prepared inputs (``dq`` to rounding,
     ``dkv`` to the order of fp32 additions) and both against float64; NaN in every kv row no slot
     selects (the zero row's place included) changes nothing; in chunks of 7 queries (last one short)
-    the result is the same as in one chunk, and so it is with the budget split into two buffers of
-    3 queries, pass B of each chunk on a second stream beside pass A of the next."""
+    the result is the same as in one chunk."""
     from dsa_ref.kernels import sparse_mla_bwd as bwd
     from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices, with_zero_row
     from dsa_ref.kernels.sparse_mla_bwd_two_pass import two_pass_backward
@@ -204,7 +202,7 @@ def test_two_pass_backward_matches_one_pass_and_reference(chunked, pipelined):
         dirty[~read] = float("nan")  # rows no slot selects
         budget = 7 * 2 * H * idx32.shape[1] * 2 if chunked else 1 << 30
         dq2, dkv2 = two_pass_backward(q, with_zero_row(dirty), d_out, idx32, lse2, delta, sm_scale=SM_SCALE,
-                                      d_v=DIM_V, buffer_bytes=budget, pipelined=pipelined)
+                                      d_v=DIM_V, buffer_bytes=budget)
 
         assert torch.isfinite(dq2).all() and torch.isfinite(dkv2[:-1]).all(), name
         assert rel_l2(dq2, dq1) < 1e-3, name

@@ -23,8 +23,7 @@ with top-2048 that is 38.6 GB of fp32 reductions. Split in two:
   per 64-head half, half the atomic traffic.
 
 `two_pass_backward` runs both passes over chunks of queries so the ``P`` / ``dS`` buffers stay
-within a memory budget; with two buffers, pass B of one chunk runs on a second stream beside pass A
-of the next, so neither kernel's tail leaves SMs idle. The two passes compute exactly the one-pass kernel's products: ``dQ`` is
+within a memory budget. The two passes compute exactly the one-pass kernel's products: ``dQ`` is
 bitwise equal to its ``dQ``, ``dKV`` equal up to the order of the fp32 additions.
 """
 
@@ -310,7 +309,7 @@ def chunk_queries(num_q: int, heads: int, topk: int, buffer_bytes: int = BUFFER_
 
 # --8<-- [start:two_pass_backward]
 def two_pass_backward(q, kv_rows, d_out, idx, lse2, delta, *, sm_scale: float, d_v: int,
-                      buffer_bytes: int = BUFFER_BYTES, pipelined: bool = True):
+                      buffer_bytes: int = BUFFER_BYTES):
     """``(dq, dkv)`` of sparse MLA in two passes.
 
     Args:
@@ -318,10 +317,6 @@ def two_pass_backward(q, kv_rows, d_out, idx, lse2, delta, *, sm_scale: float, d
             ``[T, H, d_v]`` bf16; idx: ``[T, K]`` int32, ``K`` a multiple of 64, ``-1`` unused;
             lse2: ``[T, H]`` fp32 base-2 LSE (``+inf`` on empty rows); delta: ``[T, H]`` fp32.
         buffer_bytes: memory for the ``P`` / ``dS`` buffers; queries go in chunks that fit.
-        pipelined: when the queries take more than one chunk, split the budget into two buffers and
-            run pass B of a chunk on a second CUDA stream while pass A of the next chunk runs, so the
-            tail of one kernel overlaps the next instead of idling SMs (the results are the same:
-            pass A's writes are per chunk and pass B's additions commute up to fp32 rounding).
 
     Returns:
         ``dq [T, H, D]`` bf16 and ``dkv [S + 1, D]`` fp32 (the zero row's entry is meaningless).
@@ -337,31 +332,15 @@ def two_pass_backward(q, kv_rows, d_out, idx, lse2, delta, *, sm_scale: float, d
     counts_a = _block_counts(idx, BLOCK_S)  # [T]
     counts_b = _block_counts(idx, BLOCK_B)  # [T]
     chunk = chunk_queries(T_, H, K, buffer_bytes)
-    num_buffers = 2 if pipelined and chunk < T_ else 1
-    chunk = chunk_queries(T_, H, K, buffer_bytes // num_buffers)
-    buffers = [(torch.empty(chunk, H, K, dtype=torch.bfloat16, device=q.device),  # P [C, H, K]
-                torch.empty(chunk, H, K, dtype=torch.bfloat16, device=q.device))  # dS [C, H, K]
-               for _ in range(num_buffers)]
+    P = torch.empty(chunk, H, K, dtype=torch.bfloat16, device=q.device)  # [C, H, K]
+    dS = torch.empty_like(P)  # [C, H, K]
     dq = torch.empty_like(q)  # [T, H, D]
     dkv = torch.zeros(kv_rows.shape, dtype=torch.float32, device=q.device)  # [S + 1, D]
-    main = torch.cuda.current_stream(q.device)
-    side = torch.cuda.Stream(q.device) if num_buffers == 2 else main  # pass B's stream
-    side.wait_stream(main)  # dkv's zeros and the inputs are ready
-    freed = [None] * num_buffers  # per buffer: the event after the last pass B that read it
-    for i, t0 in enumerate(range(0, T_, chunk)):
+    for t0 in range(0, T_, chunk):
         t1 = min(T_, t0 + chunk)
         c = t1 - t0
-        P, dS = buffers[i % num_buffers]
-        if freed[i % num_buffers] is not None:
-            main.wait_event(freed[i % num_buffers])  # pass B of chunk i - 2 is done with this buffer
         pass_a(q[t0:t1], kv_rows, d_out[t0:t1], idx[t0:t1], counts_a[t0:t1], lse2[t0:t1], delta[t0:t1],
                P[:c], dS[:c], dq[t0:t1])
-        if side is not main:
-            side.wait_event(main.record_event())  # pass A of this chunk has written P and dS
-        with torch.cuda.stream(side):
-            pass_b(q[t0:t1], d_out[t0:t1], P[:c], dS[:c], idx[t0:t1], counts_b[t0:t1], dkv)
-        if side is not main:
-            freed[i % num_buffers] = side.record_event()
-    main.wait_stream(side)  # dkv is complete (and the buffers free) before anything on main reads it
+        pass_b(q[t0:t1], d_out[t0:t1], P[:c], dS[:c], idx[t0:t1], counts_b[t0:t1], dkv)
     return dq, dkv
 # --8<-- [end:two_pass_backward]

@@ -6,9 +6,8 @@
    H = 128 (messy indices, duplicates, an empty row).
 2. At each shape (bench_kernels' causal top-2048), on the wrapper's prepared operands: the one-pass
    kernel, pass A alone, pass B alone, A + B on whole-size ``P`` / ``dS`` buffers,
-   `two_pass_backward` as the autograd wrapper calls it (1 GiB of buffers: two of 512 MiB with
-   pass B on a second stream, block counts included), the same in order on one stream, in one
-   chunk, the whole backward through `sparse_mla_tilelang` with each ``backward`` and the variants in ``A_POLICIES`` / ``B_VARIANTS``; GPU time (work queued ahead, median of
+   `two_pass_backward` as the autograd wrapper calls it (chunks of 1 GiB of buffers, block counts
+   included), the same in one chunk, the whole backward through `sparse_mla_tilelang` with each ``backward`` and the variants in ``A_POLICIES`` / ``B_VARIANTS``; GPU time (work queued ahead, median of
    20) in rounds that alternate them; TFLOP/s counted on the backward's FLOPs; ``dQ`` and ``dKV``
    against the one-pass kernel's; the fastest pass A with the fastest pass B.
 """
@@ -112,9 +111,9 @@ def time_shape(num_q, num_kv, rounds):
         ka(q, kv0, d_out, idx, counts32, lse2, delta, P, dS, dq_buf)
         return dq_buf
 
-    def run_package(buffer_bytes=tp.BUFFER_BYTES, pipelined=True):  # as the wrapper runs it, block counts included
+    def run_package(buffer_bytes=tp.BUFFER_BYTES):  # as the wrapper runs it, block counts included
         return tp.two_pass_backward(q, kv0, d_out, idx, lse2, delta, sm_scale=SM_SCALE, d_v=DIM_V,
-                                    buffer_bytes=buffer_bytes, pipelined=pipelined)[0]
+                                    buffer_bytes=buffer_bytes)[0]
 
     # the whole backward through the public call (delta kernel, zero row, block counts, dkv cast included)
     qg, kvg = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
@@ -136,7 +135,6 @@ def time_shape(num_q, num_kv, rounds):
 
     runs = {"one_pass": run_one, "pass_a": run_a, "pass_b": run_b, "two_pass": run_ab,
             "two_pass_backward": run_package,
-            "two_pass_backward_in_order": functools.partial(run_package, pipelined=False),
             "two_pass_backward_one_chunk": functools.partial(run_package, buffer_bytes=1 << 34),
             "public_one_pass": functools.partial(run_public, "one_pass"),
             "public_two_pass": functools.partial(run_public, "two_pass")}
