@@ -5,13 +5,15 @@ small drops valid slots silently, one too large only costs time. It is checked a
 definition (one more than the block of the row's last valid slot, 0 for a row with none) on drawn
 rows: ``-1`` anywhere, other negative values (unused as well), widths that are not a multiple of
 the block, int32 and int64. `_pad_indices` keeps every slot and pads with ``-1`` only.
+`backward_choice` picks the backward the wrapper runs.
 """
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa_ref.kernels.autograd import _block_counts, _pad_indices
+from dsa_ref.kernels.autograd import TWO_PASS_MAX_KEYS, _block_counts, _pad_indices, backward_choice
 
 
 def _counts_by_definition(indices: torch.Tensor, block: int) -> torch.Tensor:
@@ -46,3 +48,15 @@ def test_pad_indices_keeps_slots_and_pads_with_minus_one(width, multiple, dtype)
     assert padded.shape[1] % multiple == 0 and padded.shape[1] - width < multiple
     assert torch.equal(padded[:, :width], idx.to(dtype))
     assert (padded[:, width:] == -1).all()
+
+
+@pytest.mark.parametrize("heads,num_kv,expected", [(128, 8192, "two_pass"), (128, TWO_PASS_MAX_KEYS, "two_pass"),
+                                                   (256, 4096, "two_pass"), (128, TWO_PASS_MAX_KEYS + 1, "one_pass"),
+                                                   (64, 8192, "one_pass"), (192, 8192, "one_pass")])
+def test_backward_auto_takes_two_passes_where_measured_faster(heads, num_kv, expected):
+    """128 heads (or a multiple) and at most 16384 keys: two passes; otherwise one. Explicit choices stay."""
+    assert backward_choice("auto", heads, num_kv) == expected
+    for explicit in ("one_pass", "two_pass"):
+        assert backward_choice(explicit, heads, num_kv) == explicit
+    with pytest.raises(ValueError, match="backward must be 'auto', 'one_pass' or 'two_pass', got 'fused'"):
+        backward_choice("fused", heads, num_kv)

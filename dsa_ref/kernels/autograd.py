@@ -169,6 +169,16 @@ class SparseMLAFunction(torch.autograd.Function):
 TWO_PASS_MAX_KEYS = 16384
 
 
+def backward_choice(backward: str, heads: int, num_kv: int) -> str:
+    """``"one_pass"`` or ``"two_pass"``: what ``backward`` means for ``heads`` query heads and ``num_kv`` keys
+    (``"auto"``: two passes at a multiple of 128 heads and at most `TWO_PASS_MAX_KEYS` keys)."""
+    if backward not in ("auto", "one_pass", "two_pass"):
+        raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
+    if backward == "auto":
+        return "two_pass" if heads % 128 == 0 and num_kv <= TWO_PASS_MAX_KEYS else "one_pass"
+    return backward
+
+
 # --8<-- [start:sparse_mla_tilelang]
 def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", validate=True,
                         backward="auto"):
@@ -205,10 +215,7 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
     reason = sparse_mla_supported(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(f"sparse_mla_tilelang: {reason}")
-    if backward not in ("auto", "one_pass", "two_pass"):
-        raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
-    if backward == "auto":
-        backward = "two_pass" if q.shape[1] % 128 == 0 and kv.shape[0] <= TWO_PASS_MAX_KEYS else "one_pass"
+    backward = backward_choice(backward, q.shape[1], kv.shape[0])
     if schedule == "auto":
         if q.shape[1] % 64:
             schedule = "simple"
