@@ -1013,7 +1013,7 @@ IMPLS: list[Impl] = [
          "q_start, kv_stride=1, sm_scale=, return_kernel=True), then kernel(q, kv, indices, q_start int32 [1])",
          _tilelang_pipelined_fwd, "tilelang_deepseek_v32"),
     Impl("dsa_ref", "dsa_ref", "sparse_bwd", "torch.autograd.grad(out, (q, kv), d_out) through sparse_mla_tilelang "
-         "(backward='auto': the two-pass backward at 128 heads)", _dsa_ref_sparse_bwd, "dsa_ref"),
+         "(backward='auto': two passes at 128 heads up to 16384 keys)", _dsa_ref_sparse_bwd, "dsa_ref"),
     Impl("dsa_ref_one_pass", "dsa_ref", "sparse_bwd", "the same with sparse_mla_tilelang(..., backward='one_pass')",
          functools.partial(_dsa_ref_sparse_bwd, backward="one_pass"), "dsa_ref"),
     Impl("megatron", "megatron", "sparse_bwd", "ops.tilelang_sparse_mla_bwd.sparse_mla_bwd(q, kv, out, d_out, indices, "

@@ -466,6 +466,33 @@ def test_an_op_measured_again_takes_all_its_rows_from_the_later_run():
     assert "0.050 / 0.095 (x2.00)" in speed
 
 
+def test_a_family_the_later_run_left_out_keeps_its_rows_in_a_table_of_their_own():
+    """A later run of sparse_fwd without TileLang's family: the main table and the findings hold only the
+    later run; TileLang's rows stay, beside the earlier run's dsa_ref, with the earlier run's ratios."""
+    first = synthetic_results()
+    later = copy.deepcopy(first)
+    later["meta"].update(date="2099-03-03", command="bench_peers.py --ops sparse_fwd --impls dsa_ref,flashmla")
+    later["results"] = [dict(r, ms_per_call=r["ms_per_call"] / 2) for r in later["results"]
+                        if r["op"] == "sparse_fwd" and r["family"] in ("dsa_ref", "flashmla")]
+    merged = page.merge_runs([first, later], ["a.json", "b.json"])
+    tl = [r for r in merged["results"] if r["family"] in ("tilelang", "megatron") and r["op"] == "sparse_fwd"]
+    assert {r["impl"] for r in tl} == {"megatron", "tilelang_simple", "tilelang_pipelined"}
+    assert all(r["earlier_run"]["source"] == "a.json" for r in tl)
+    assert [r["ms_per_call"] for r in merged["earlier_dsa_ref"]] == [
+        r["ms_per_call"] for r in first["results"] if r["op"] == "sparse_fwd" and r["family"] == "dsa_ref"]
+    assert page._ok_recs(merged, "sparse_fwd", "tilelang_simple") == [], "kept rows never enter the findings"
+    text = page.render(merged, source="a.json and b.json")
+    assert "| sparse_fwd | tilelang_simple |" in text.split("## Conformance")[1], "their checks stay on the page"
+    fwd = text.split("## Speed")[1].split("**sparse MLA forward")[1].split("**KL loss")[0]
+    main, earlier = fwd.split("Not measured in that run")
+    assert "| shape | dsa_ref | flashmla |" in main and "2.000 /" in main, "the later run's table: its own rows"
+    assert "`a.json`" in earlier and "| shape | dsa_ref | megatron | tilelang_simple | tilelang_pipelined |" in earlier
+    assert "| 4.000 / 3.800 (250) | failed | [8.000 / 7.600 (125, x0.50)] | skipped |" in earlier, \
+        "the earlier dsa_ref and ratio beside the kept rows"
+    merged_again = page.merge_runs([first, later, later], ["a.json", "b.json", "c.json"])
+    assert merged_again["earlier_dsa_ref"] == merged["earlier_dsa_ref"], "a third run keeps the reference"
+
+
 def test_page_without_results_states_conventions_and_how_to_measure():
     text = page.render(None)
     assert "Not measured yet" in text and "tools/gpu_session.sh peers" in text

@@ -174,8 +174,19 @@ def _range(values: list[float], fmt: str) -> str:
 
 
 def _ok_recs(results: dict, op: str, impl: str) -> list[dict]:
+    """The op's timed results of ``impl`` in the op's own (latest) run: never rows kept from an earlier one."""
     return [r for r in results["results"] if r["op"] == op and r["impl"] == impl and r["status"] == "ok"
-            and r.get("ms_per_call") is not None]
+            and r.get("ms_per_call") is not None and "earlier_run" not in r]
+
+
+def _run_of(results: dict, rec: dict) -> dict:
+    """``{source, date, gpu, command}`` of the run a result comes from (``source`` None: the first file)."""
+    if "earlier_run" in rec:
+        return rec["earlier_run"]
+    m = results["meta"]
+    return m.get("op_runs", {}).get(rec["op"]) or {"source": None, "date": m.get("date"),
+                                                     "gpu": m.get("gpu", m.get("device")),
+                                                     "command": m.get("command", "")}
 
 
 def _exceeding(t: dict) -> int:
@@ -219,8 +230,8 @@ def findings_section(results: dict | None) -> list[str]:
             mine = {r["shape"]: r for r in bwd}
             ratio = [one[s]["ms_per_call"] / mine[s]["ms_per_call"] for s in one if s in mine]
             text += (f" The one-pass kernel (`backward=\"one_pass\"`) runs at "
-                     f"{_range([r['tflops'] for r in one.values()], '.0f')} TFLOP/s: the default is "
-                     f"x{_range(ratio, '.2f')} its speed.")
+                     f"{_range([r['tflops'] for r in one.values()], '.0f')} TFLOP/s; dsa_ref's call as this run "
+                     f"made it (see Interfaces) at x{_range(ratio, '.2f')} its speed.")
         lines.append(text)
     idx = {r["impl"]: [] for r in results["results"] if r["op"] == "indexer_fwd"}
     for impl in idx:
@@ -268,8 +279,10 @@ def findings_section(results: dict | None) -> list[str]:
         bits = [f"{reason} ({len(items)}: {', '.join(items)})" for reason, items in groups.items()]
         text = f"- **Failed runs:** {len(failed)}, with the reasons the JSON records: " + "; ".join(bits) + "."
         if any("time budget" in g or "exit code -9" in g for g in groups):
+            commands = sorted({_run_of(results, r)["command"] for r in failed})
             text += (f" Exit code -9 is the benchmark's own kill of a family process that outlives the time "
-                     f"budget (`--budget-s`; this run: `{_cell_text(m.get('command', ''))}`): these points were "
+                     f"budget (`--budget-s`; {'this run' if len(commands) == 1 else 'these runs'}: "
+                     + ", ".join(f"`{_cell_text(c)}`" for c in commands) + "): these points were "
                      "cut off by the budget, not by a fault in the kernels; the full log tail of each is in the JSON.")
         lines.append(text)
     mism: dict[tuple, dict] = {}
@@ -415,10 +428,11 @@ def speed_section(results: dict | None, figure: Path | None) -> list[str]:
               "x speed relative to dsa_ref per call, > 1 is faster). A cell in brackets did not pass its check.", ""]
     if figure is not None:
         lines += [f"![TFLOP/s of every implementation, per operation and shape](assets/{figure.name})", ""]
-    by = _by_key(results)
+    current = dict(results, results=[r for r in results["results"] if "earlier_run" not in r])
+    by = _by_key(current)
     shapes = _shape_names(results)
     for op in [o for o in bench_peers.OPS if any(r["op"] == o for r in results["results"])]:
-        names = _impl_order(results, op)
+        names = _impl_order(current, op)
         formula = results.get("formulas", {}).get(op)
         lines += [f"**{bench_peers.OPS[op].title}**" + (f": TFLOP/s = {formula} / time." if formula else
                                                          ": no FLOP count (ms only)."), ""]
@@ -426,29 +440,42 @@ def speed_section(results: dict | None, figure: Path | None) -> list[str]:
         if other:
             lines += [f"Measured in a run of its own: {other['date']}, {other['gpu']}, "
                       f"`{_cell_text(other['command'])}` (`{other['source']}`).", ""]
-        lines += ["| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for s in shapes:
-            cells = []
-            for n in names:
-                r = by.get((op, s, n))
-                if r is None:
-                    cells.append("")
-                elif r["status"] != "ok" or r.get("ms_per_call") is None:
-                    cells.append(r["status"])
-                else:
-                    text = f"{_fmt_ms(r['ms_per_call'])} / {_fmt_ms(r.get('ms_back_to_back'))}"
-                    extra = []
-                    if r.get("tflops") is not None:
-                        extra.append(f"{r['tflops']:.0f}")
-                    if n != "dsa_ref" and r.get("ratio_to_dsa_ref") is not None:
-                        extra.append(f"x{r['ratio_to_dsa_ref']:.2f}")
-                    if extra:
-                        text += f" ({', '.join(extra)})"
-                    if (r.get("check") or {}).get("status", "ok") != "ok":
-                        text = f"[{text}]"
-                    cells.append(text)
-            lines.append(f"| {s} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += _speed_table(by, op, names, shapes)
+        kept = [r for r in results["results"] if r["op"] == op and "earlier_run" in r]
+        if kept:
+            run = kept[0]["earlier_run"]
+            earlier = dict(results, results=[r for r in results.get("earlier_dsa_ref", []) if r["op"] == op] + kept)
+            lines += [f"Not measured in that run, so from the earlier one ({run['date']}, {run['gpu']}, "
+                      f"`{run['source']}`), beside that run's dsa_ref; ratios as that run measured them:", ""]
+            lines += _speed_table(_by_key(earlier), op, _impl_order(earlier, op), shapes)
+    return lines
+
+
+def _speed_table(by: dict, op: str, names: list[str], shapes: list[str]) -> list[str]:
+    """One op's speed table: a row per shape, a column per implementation."""
+    lines = ["| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for s in shapes:
+        cells = []
+        for n in names:
+            r = by.get((op, s, n))
+            if r is None:
+                cells.append("")
+            elif r["status"] != "ok" or r.get("ms_per_call") is None:
+                cells.append(r["status"])
+            else:
+                text = f"{_fmt_ms(r['ms_per_call'])} / {_fmt_ms(r.get('ms_back_to_back'))}"
+                extra = []
+                if r.get("tflops") is not None:
+                    extra.append(f"{r['tflops']:.0f}")
+                if n != "dsa_ref" and r.get("ratio_to_dsa_ref") is not None:
+                    extra.append(f"x{r['ratio_to_dsa_ref']:.2f}")
+                if extra:
+                    text += f" ({', '.join(extra)})"
+                if (r.get("check") or {}).get("status", "ok") != "ok":
+                    text = f"[{text}]"
+                cells.append(text)
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines.append("")
     return lines
 
 
@@ -468,14 +495,39 @@ def run_section() -> list[str]:
 
 
 def merge_runs(runs: list[dict], names: list[str]) -> dict:
-    """One results dict from several runs: an operation measured in a later run takes all its rows
-    (every implementation, every shape) from that run, so ratios never mix runs; ``meta["op_runs"]``
-    records which run each such operation comes from."""
+    """One results dict from several runs: an operation measured in a later run takes its rows from
+    that run, so ratios never mix runs; ``meta["op_runs"]`` records which run each such operation
+    comes from. A family the later run did not measure for that operation keeps its rows from the
+    earlier run, marked ``"earlier_run"``, and the earlier run's dsa_ref rows of the operation go to
+    ``results["earlier_dsa_ref"]``: the page shows them in a table of their own, ratios as that run
+    measured them."""
     merged = json.loads(json.dumps(runs[0]))
     for run, name in zip(runs[1:], names[1:]):
-        ops = {r["op"] for r in run["results"]}
-        merged["results"] = [r for r in merged["results"] if r["op"] not in ops] + run["results"]
+        ops = [o for o in bench_peers.OPS if any(r["op"] == o for r in run["results"])]  # in a fixed order
         m = run["meta"]
+        kept, reference = [], []
+        for op in ops:
+            families = {r["family"] for r in run["results"] if r["op"] == op}
+            before = [r for r in merged["results"] if r["op"] == op]
+            stay = [r for r in before if r["family"] not in families]
+            if stay:
+                origin = merged["meta"].get("op_runs", {}).get(op) or {
+                    "source": names[0], "date": merged["meta"].get("date"),
+                    "gpu": merged["meta"].get("gpu", merged["meta"].get("device")),
+                    "command": merged["meta"].get("command", "")}
+                kept += [dict(r, earlier_run=r.get("earlier_run", origin)) for r in stay]
+                if any("earlier_run" not in r for r in stay):  # rows of the run just superseded stay
+                    reference += [dict(r, earlier_run=origin) for r in before if r["family"] == "dsa_ref"
+                                  and "earlier_run" not in r]
+        impls = merged.setdefault("impls", {})
+        for op in ops:  # the interfaces as the later run called them, and those of the rows kept
+            kept_names = {r["impl"] for r in kept if r["op"] == op}
+            impls[op] = {**run.get("impls", {}).get(op, {}),
+                         **{n: v for n, v in impls.get(op, {}).items() if n in kept_names}}
+        merged["results"] = [r for r in merged["results"] if r["op"] not in ops] + kept + run["results"]
+        still = {(r["op"], r["earlier_run"]["source"]) for r in kept}  # earlier references kept rows still need
+        merged["earlier_dsa_ref"] = [r for r in merged.get("earlier_dsa_ref", [])
+                                     if r["op"] not in ops or (r["op"], r["earlier_run"]["source"]) in still] + reference
         for op in ops:
             merged["meta"].setdefault("op_runs", {})[op] = {
                 "source": name, "date": m.get("date"), "gpu": m.get("gpu", m.get("device")),

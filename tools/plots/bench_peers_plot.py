@@ -28,7 +28,8 @@ TITLES = {"sparse_fwd": "sparse MLA forward", "sparse_bwd": "sparse MLA backward
 COLOURS = {"dsa_ref": "#1f4e9c", "flashmla": "#ff7f0e", "megatron": "#2ca02c", "tilelang": "#d62728",
            "tilelang_simple": "#d62728", "tilelang_pipelined": "#9467bd", "tilelang_fp8": "#8c564b",
            # dsa_ref's other calls of one op: lighter blues, never a peer's colour
-           "dsa_ref_staggered": "#6f9fd8", "dsa_ref_kernel": "#6f9fd8", "dsa_ref_torch": "#b8cce8"}
+           "dsa_ref_staggered": "#6f9fd8", "dsa_ref_kernel": "#6f9fd8", "dsa_ref_one_pass": "#6f9fd8",
+           "dsa_ref_torch": "#b8cce8", "megatron_autograd": "#98df8a"}
 
 
 def _impls(results: dict, op: str) -> list[str]:
@@ -40,7 +41,9 @@ def _impls(results: dict, op: str) -> list[str]:
 
 
 def plot(results: dict, out: Path) -> None:
-    """Draw ``results`` (a bench_peers JSON, already loaded) into ``out``."""
+    """Draw ``results`` (a bench_peers JSON, already loaded) into ``out``; rows that merged files kept from
+    an earlier run (``earlier_run``) are left out, so every panel holds one run."""
+    results = dict(results, results=[r for r in results["results"] if "earlier_run" not in r])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +82,8 @@ def plot(results: dict, out: Path) -> None:
                     bar.set_hatch(hatch)
                 label = f"{v:.0f}" if timed else f"{v:.2f}"
                 ax.text(bar.get_x() + bar.get_width() / 2, v, label, ha="center", va="bottom", fontsize=5.5)
-        ax.set_title(TITLES.get(op, op), fontsize=9)
+        run = results.get("meta", {}).get("op_runs", {}).get(op)  # an op measured in a later run of its own
+        ax.set_title(TITLES.get(op, op) + (f" ({run['date']})" if run else ""), fontsize=9)
         ax.set_xticks(range(len(shapes)), [s.replace(" ", "\n") for s in shapes], fontsize=7)
         ax.set_ylabel("TFLOP/s per call" if timed else "ms per call (lower is better)", fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
@@ -89,7 +93,8 @@ def plot(results: dict, out: Path) -> None:
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
     m = results.get("meta", {})
-    fig.suptitle(f"dsa_ref and peer kernels, {m.get('gpu', m.get('device', ''))}, {m.get('date', '')} "
+    later = " (panels with a date: from a later run)" if m.get("op_runs") else ""
+    fig.suptitle(f"dsa_ref and peer kernels, {m.get('gpu', m.get('device', ''))}, {m.get('date', '')}{later} "
                  f"(hatched: output did not pass the oracle check)", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
