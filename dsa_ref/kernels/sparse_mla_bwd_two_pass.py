@@ -14,13 +14,14 @@ with top-2048 that is 38.6 GB of fp32 reductions. Split in two:
 
   and writes ``P`` and ``dS`` (bf16, the very values the one-pass kernel feeds its ``dKV``
   products) to ``[T, H, K]`` buffers. No ``dKV`` tile, so the gathers are double-buffered.
-* **pass B** (`dkv_kernel`), per (query, half of the 576 channels), one GEMM over **all** heads::
+* **pass B** (`dkv_kernel`), per (query, third of the 576 channels), one GEMM over **all** heads::
 
-      dKV_blk = dS[:, blk]^T Q + P[:, blk]^T dO_pad           [64 slots, 288]
+      dKV_blk = dS[:, blk]^T Q + P[:, blk]^T dO_pad           [64 slots, 192]
 
-  (``dO_pad``: ``dO`` with zeros past the 512 value channels), then each finished row is added to
-  ``dKV[idx]`` by one asynchronous bulk reduction: one reduction per query and slot instead of one
-  per 64-head half, half the atomic traffic.
+  (``dO_pad``: ``dO`` with zeros past the 512 value channels), then the 64 finished rows are
+  staged in shared memory at once and each is added to ``dKV[idx]`` by one asynchronous bulk
+  reduction: one reduction per query and slot instead of one per 64-head half, half the atomic
+  traffic.
 
 `two_pass_backward` runs both passes over chunks of queries so the ``P`` / ``dS`` buffers stay
 within a memory budget. The two passes compute exactly the one-pass kernel's products: ``dQ`` is
