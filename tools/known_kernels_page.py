@@ -438,8 +438,10 @@ def speed_section(results: dict | None, figure: Path | None) -> list[str]:
                                                          ": no FLOP count (ms only)."), ""]
         other = m.get("op_runs", {}).get(op)
         if other:
+            timing = other.get("timing")
             lines += [f"Measured in a run of its own: {other['date']}, {other['gpu']}, "
-                      f"`{_cell_text(other['command'])}` (`{other['source']}`).", ""]
+                      f"`{_cell_text(other['command'])}` (`{other['source']}`)"
+                      + (f"; timing: {timing}" if timing and timing != m.get("timing") else "") + ".", ""]
         lines += _speed_table(by, op, names, shapes)
         kept = [r for r in results["results"] if r["op"] == op and "earlier_run" in r]
         if kept:
@@ -531,7 +533,7 @@ def merge_runs(runs: list[dict], names: list[str]) -> dict:
         for op in ops:
             merged["meta"].setdefault("op_runs", {})[op] = {
                 "source": name, "date": m.get("date"), "gpu": m.get("gpu", m.get("device")),
-                "command": m.get("command", "")}
+                "command": m.get("command", ""), "timing": m.get("timing")}
     return merged
 
 
