@@ -60,3 +60,14 @@ def test_backward_auto_takes_two_passes_where_measured_faster(heads, num_kv, exp
         assert backward_choice(explicit, heads, num_kv) == explicit
     with pytest.raises(ValueError, match="backward must be 'auto', 'one_pass' or 'two_pass', got 'fused'"):
         backward_choice("fused", heads, num_kv)
+
+
+def test_a_misspelt_backward_is_named_before_anything_else():
+    """On the CPU too: the error names ``backward``, not the missing GPU."""
+    from dsa_ref.kernels.autograd import sparse_mla_tilelang
+
+    q, kv, idx = torch.zeros(4, 128, 576), torch.zeros(8, 576), torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="backward must be 'auto', 'one_pass' or 'two_pass', got 'two-pass'"):
+        sparse_mla_tilelang(q, kv, idx, sm_scale=0.1, backward="two-pass")
+    with pytest.raises(ValueError, match="not on CUDA"):
+        sparse_mla_tilelang(q, kv, idx, sm_scale=0.1, backward="two_pass")
