@@ -28,8 +28,8 @@ generator, so every process gets bit-identical inputs (the JSON records their ch
 **Timing.** Per call: `bench_kernels.cuda_time_ms` (CUDA events around one call on an idle GPU,
 median of ``--repeat`` calls after warm-up) with a 256 MiB write before each call, which evicts
 the 50 MB L2. Back to back: ``--repeat`` calls queued without a pause, CUDA events around them all,
-divided by ``--repeat``. Conversions into each peer's layout and index convention are done once,
-outside the timed call.
+divided by ``--repeat``. Python's garbage collector is paused while timing (as `timeit` does).
+Conversions into each peer's layout and index convention are done once, outside the timed call.
 
 **Checks.** Each output is compared with the exact float64 reference (`dsa_ref.oracle`), on three
 blocks of rows (first, middle, last; the planted rows lie in them). Sparse MLA goes through
@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import functools
 import contextlib
+import gc
 import importlib
 import importlib.util
 import json
@@ -1095,8 +1096,28 @@ def back_to_back_ms(fn: Callable, *, reps: int, warmup: int = 1) -> float:
     return start.elapsed_time(end) / reps
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's garbage collector collected, then off while timing (as `timeit` does): a collection
+    that lands inside a host-bound call would otherwise be counted as that call's time."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def time_call(fn: Callable, *, repeat: int, device: torch.device, flush: torch.Tensor | None) -> dict:
-    """``{"ms_per_call", "ms_back_to_back"}``: CUDA events on the GPU (see the module docs), wall clock on the CPU."""
+    """``{"ms_per_call", "ms_back_to_back"}``: CUDA events on the GPU (see the module docs), wall clock on the
+    CPU; Python's garbage collector paused throughout (`_gc_paused`)."""
+    with _gc_paused():
+        return _time_call(fn, repeat=repeat, device=device, flush=flush)
+
+
+def _time_call(fn: Callable, *, repeat: int, device: torch.device, flush: torch.Tensor | None) -> dict:
     if device.type == "cuda":
         from bench_kernels import cuda_time_ms
 
@@ -1321,7 +1342,8 @@ def _new_results(args, shapes: list[Shape], impls: list[Impl], dims: Dims, devic
                 peers_dir=str(args.peers), repeat=args.repeat, dims=dims.__dict__,
                 sm_scale=SM_SCALE, isolation="in-process" if args.in_process else "one process per family",
                 timing=("per call: CUDA events around one call after a 256 MiB write (L2 flushed), median of "
-                        f"{args.repeat}; back to back: {args.repeat} calls queued, CUDA events around all, mean"))
+                        f"{args.repeat}; back to back: {args.repeat} calls queued, CUDA events around all, mean; "
+                        "Python's garbage collector paused"))
     peers = Path(args.peers)
     meta["peers"] = {name: _upstream(peers / folder) for name, folder in
                      (("megatron", "megatron"), ("tilelang", "tilelang_examples"))}

@@ -258,6 +258,19 @@ def test_peer_layouts():
     assert idx4.dtype == torch.int32 and ((idx4[0, :, 0] == 32) == (x.idx < 0)).all()
 
 
+def test_timing_pauses_the_garbage_collector_and_restores_it():
+    import gc
+
+    seen = []
+    assert gc.isenabled()
+    result = bp.time_call(lambda: seen.append(gc.isenabled()), repeat=3, device=torch.device("cpu"), flush=None)
+    assert seen == [False] * 4 and gc.isenabled(), "off for the warm-up and the timed calls, on again after"
+    assert set(result) == {"ms_per_call", "ms_back_to_back"}
+    with pytest.raises(RuntimeError), bp._gc_paused():
+        raise RuntimeError("a failing call")
+    assert gc.isenabled(), "back on after a failure too"
+
+
 def test_parse_shapes():
     assert [s.name for s in bp.parse_shapes("4096x8192,4096x32768:uniform")] == \
         ["4096x8192 causal", "4096x32768 uniform"]
