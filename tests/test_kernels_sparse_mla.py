@@ -36,6 +36,19 @@ def _inputs(T, S, H, seed):
     return q, kv
 
 
+def _reference_backward(q, kv, idx, d_out):
+    """The float64 reference forward and backward, and the kernels' inputs from it as
+    `SparseMLAFunction.backward` prepares them: ``(qr, kvr, ref_lse, idx32, delta)`` with the
+    gradients in ``qr.grad`` / ``kvr.grad``, ``idx32`` padded to 64 slots and ``delta [T, H]`` fp32."""
+    from dsa_ref.kernels.autograd import _pad_indices
+
+    qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+    ref_out, ref_lse = sparse_mla(qr, kvr, idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    (ref_out * d_out.double()).sum().backward()
+    delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
+    return qr, kvr, ref_lse, _pad_indices(idx, 64), delta
+
+
 def _check_forward(q, kv, idx, schedule):
     from dsa_ref.kernels.autograd import sparse_mla_tilelang
 
@@ -129,7 +142,7 @@ def _schedule_id(knobs):
 @pytest.mark.parametrize("knobs", BACKWARD_SCHEDULES, ids=_schedule_id)
 def test_backward_kernel_schedules_match_reference(knobs):
     from dsa_ref.kernels import sparse_mla_bwd as bwd
-    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts
 
     T, S, H = 97, 260, 128
     q, kv = _inputs(T, S, H, seed=31)
@@ -139,13 +152,8 @@ def test_backward_kernel_schedules_match_reference(knobs):
     g = torch.Generator(device="cpu").manual_seed(6)
     d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
 
-    qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
-    ref_out, ref_lse = sparse_mla(qr, kvr, idx, sm_scale=SM_SCALE, d_v=DIM_V)
-    (ref_out * d_out.double()).sum().backward()
-
     # the kernel's inputs as SparseMLAFunction.backward prepares them, from the float64 forward
-    idx32 = _pad_indices(idx, 64)
-    delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
+    qr, kvr, ref_lse, idx32, delta = _reference_backward(q, kv, idx, d_out)
     lse2 = _base2_lse(ref_lse)  # float64 here: rounded to fp32 at the launch below
     dkv = torch.zeros(S, DIM, dtype=torch.float32, device="cuda")
     kernel = bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE, **knobs)
@@ -179,19 +187,14 @@ def test_two_pass_backward_matches_one_pass_and_reference(chunked):
     selects (the zero row's place included) changes nothing; in chunks of 7 queries (last one short)
     the result is the same as in one chunk."""
     from dsa_ref.kernels import sparse_mla_bwd as bwd
-    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices, with_zero_row
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, with_zero_row
     from dsa_ref.kernels.sparse_mla_bwd_two_pass import two_pass_backward
 
     for name, T, S, H, idx in _two_pass_cases():
         q, kv = _inputs(T, S, H, seed=len(name))
         g = torch.Generator(device="cpu").manual_seed(T)
         d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
-        qr, kvr = q.double().requires_grad_(True), kv.double().requires_grad_(True)
-        ref_out, ref_lse = sparse_mla(qr, kvr, idx, sm_scale=SM_SCALE, d_v=DIM_V)
-        (ref_out * d_out.double()).sum().backward()
-
-        idx32 = _pad_indices(idx, 64)
-        delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
+        qr, kvr, ref_lse, idx32, delta = _reference_backward(q, kv, idx, d_out)
         lse2 = _base2_lse(ref_lse).float().contiguous()  # [T, H]
         dkv1 = torch.zeros(S + 1, DIM, dtype=torch.float32, device="cuda")
         dq1 = bwd.backward_kernel(H, DIM, DIM_V, SM_SCALE)(q, with_zero_row(kv), d_out, idx32,

@@ -179,14 +179,18 @@ def _ok_recs(results: dict, op: str, impl: str) -> list[dict]:
             and r.get("ms_per_call") is not None and "earlier_run" not in r]
 
 
+def _run_info(meta: dict, source: str | None) -> dict:
+    """``{source, date, gpu, command, timing}`` of one run, from its ``meta``."""
+    return {"source": source, "date": meta.get("date"), "gpu": meta.get("gpu", meta.get("device")),
+            "command": meta.get("command", ""), "timing": meta.get("timing")}
+
+
 def _run_of(results: dict, rec: dict) -> dict:
-    """``{source, date, gpu, command}`` of the run a result comes from (``source`` None: the first file)."""
+    """`_run_info` of the run a result comes from (``source`` None: the first file)."""
     if "earlier_run" in rec:
         return rec["earlier_run"]
     m = results["meta"]
-    return m.get("op_runs", {}).get(rec["op"]) or {"source": None, "date": m.get("date"),
-                                                     "gpu": m.get("gpu", m.get("device")),
-                                                     "command": m.get("command", "")}
+    return m.get("op_runs", {}).get(rec["op"]) or _run_info(m, None)
 
 
 def _exceeding(t: dict) -> int:
@@ -506,17 +510,13 @@ def merge_runs(runs: list[dict], names: list[str]) -> dict:
     merged = json.loads(json.dumps(runs[0]))
     for run, name in zip(runs[1:], names[1:]):
         ops = [o for o in bench_peers.OPS if any(r["op"] == o for r in run["results"])]  # in a fixed order
-        m = run["meta"]
         kept, reference = [], []
         for op in ops:
             families = {r["family"] for r in run["results"] if r["op"] == op}
             before = [r for r in merged["results"] if r["op"] == op]
             stay = [r for r in before if r["family"] not in families]
             if stay:
-                origin = merged["meta"].get("op_runs", {}).get(op) or {
-                    "source": names[0], "date": merged["meta"].get("date"),
-                    "gpu": merged["meta"].get("gpu", merged["meta"].get("device")),
-                    "command": merged["meta"].get("command", "")}
+                origin = merged["meta"].get("op_runs", {}).get(op) or _run_info(merged["meta"], names[0])
                 kept += [dict(r, earlier_run=r.get("earlier_run", origin)) for r in stay]
                 if any("earlier_run" not in r for r in stay):  # rows of the run just superseded stay
                     reference += [dict(r, earlier_run=origin) for r in before if r["family"] == "dsa_ref"
@@ -531,9 +531,7 @@ def merge_runs(runs: list[dict], names: list[str]) -> dict:
         merged["earlier_dsa_ref"] = [r for r in merged.get("earlier_dsa_ref", [])
                                      if r["op"] not in ops or (r["op"], r["earlier_run"]["source"]) in still] + reference
         for op in ops:
-            merged["meta"].setdefault("op_runs", {})[op] = {
-                "source": name, "date": m.get("date"), "gpu": m.get("gpu", m.get("device")),
-                "command": m.get("command", ""), "timing": m.get("timing")}
+            merged["meta"].setdefault("op_runs", {})[op] = _run_info(run["meta"], name)
     return merged
 
 

@@ -170,11 +170,15 @@ TWO_PASS_MAX_KEYS = 16384
 BACKWARDS = ("auto", "one_pass", "two_pass")
 
 
+def _check_backward(backward) -> None:
+    if backward not in BACKWARDS:
+        raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
+
+
 def backward_choice(backward: str, heads: int, num_kv: int) -> str:
     """``"one_pass"`` or ``"two_pass"``: what ``backward`` means for ``heads`` query heads and ``num_kv`` keys
     (``"auto"``: two passes at a multiple of 128 heads and at most `TWO_PASS_MAX_KEYS` keys)."""
-    if backward not in BACKWARDS:
-        raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
+    _check_backward(backward)
     if backward == "auto":
         return "two_pass" if heads % 128 == 0 and num_kv <= TWO_PASS_MAX_KEYS else "one_pass"
     return backward
@@ -210,8 +214,7 @@ def sparse_mla_tilelang(q, kv, indices, *, sm_scale, d_v=512, schedule="auto", v
             most), or ``"auto"``: the two-pass one when ``H`` is a multiple of 128 and there are at
             most `TWO_PASS_MAX_KEYS` keys, else the one-pass one (see `TWO_PASS_MAX_KEYS`).
     """
-    if backward not in BACKWARDS:  # before anything else: a misspelt choice is reported as such
-        raise ValueError(f"sparse_mla_tilelang: backward must be 'auto', 'one_pass' or 'two_pass', got {backward!r}")
+    _check_backward(backward)  # before anything else: a misspelt choice is reported as such
     if kv.dim() == 3:
         kv = kv[:, 0]
     indices = check_index_shape(indices, q.shape[0])
