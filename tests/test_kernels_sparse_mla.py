@@ -216,6 +216,36 @@ def test_two_pass_backward_matches_one_pass_and_reference(chunked):
         assert (dq2[empty] == 0).all(), name
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_pass_a_with_batched_waits_equals_the_default(H):
+    """`dq_kernel(batch_waits=True)` (S and dP issued together, P / dS stored while dQ's products run)
+    writes the default's P, dS and dQ bit for bit: the same products in the same order (messy slots,
+    duplicates, -1 anywhere, an empty row, K = 100 padded to 128)."""
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices, with_zero_row
+    from dsa_ref.kernels.sparse_mla_bwd_two_pass import BLOCK_S, dq_kernel
+
+    T, S = 150, 300
+    q, kv = _inputs(T, S, H, seed=H)
+    idx = messy_indices(T, S, 100, seed=4)
+    idx[:, 2:6] = 7
+    g = torch.Generator(device="cpu").manual_seed(H + 1)
+    d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
+    ref_out, ref_lse = sparse_mla(q.double(), kv.double(), idx, sm_scale=SM_SCALE, d_v=DIM_V)
+    idx32 = _pad_indices(idx, 64)
+    counts = _block_counts(idx32, BLOCK_S)
+    delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
+    lse2 = _base2_lse(ref_lse).float().contiguous()  # [T, H]
+    results = []
+    for batch_waits in (False, True):
+        P = torch.zeros(T, H, idx32.shape[1], dtype=torch.bfloat16, device="cuda")  # [T, H, K']
+        dS, dq = torch.zeros_like(P), torch.empty_like(q)
+        dq_kernel(H, DIM, DIM_V, SM_SCALE, batch_waits=batch_waits)(q, with_zero_row(kv), d_out, idx32, counts,
+                                                                     lse2, delta, P, dS, dq)
+        results.append((P, dS, dq))
+    for name, a, b in zip(("P", "dS", "dq"), *results):
+        assert torch.equal(a, b), name
+
+
 def test_two_pass_backward_through_the_public_call_and_lse():
     """``backward="two_pass"`` through `sparse_mla_tilelang` (staggered forward, int64 indices), with
     a gradient on ``lse`` too; an unknown ``backward`` is a ValueError."""

@@ -53,15 +53,23 @@ _PASS = {
 
 # --8<-- [start:dq_kernel]
 @functools.lru_cache(maxsize=None)
-def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str = "Square"):
+def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str = "Square",
+              batch_waits: bool = False):
     """Compile pass A: ``dQ``, ``P`` and ``dS`` (any number of queries, keys and slots).
 
     Kernel arguments: ``Q [T, H, D]``, ``KV [S + 1, D]`` (zero row last), ``dO [T, H, dim_v]`` bf16,
     ``Indices [T, K]`` int32 (``K`` a multiple of 64), ``NumBlocks [T]`` int32 (32-slot blocks to
     visit), ``Lse2 [T, H]`` fp32 (base 2, ``+inf`` for empty rows), ``Delta [T, H]`` fp32,
     ``P [T, H, K]``, ``dS [T, H, K]`` bf16 (written for every visited block, the rest untouched),
-    ``dQ [T, H, D]`` bf16 (written)."""
+    ``dQ [T, H, D]`` bf16 (written).
+
+    ``batch_waits`` (64-head blocks): issue ``S`` (both parts) with ``dP`` and wait once, then
+    issue the two ``dQ`` products and store ``P`` / ``dS`` while they run (the one-pass kernel's
+    ``batch_waits``); otherwise every product waits for itself."""
     hb, per_query = head_blocking(heads)
+    if batch_waits and hb < 64:
+        raise ValueError(f"batch_waits needs 64-head blocks (warpgroup MMAs), got heads={heads}")
+    mm = T.wgmma_gemm if batch_waits else T.gemm
     dim_tail = dim - dim_v
     scale2 = sm_scale * LOG2E
     threads = 256 if hb >= 64 else 128
@@ -129,21 +137,27 @@ def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str 
                 # P from the saved LSE (a -1 slot starts at -inf, so its P is 0)
                 for h, i in T.Parallel(hb, BLOCK_S):
                     acc_p[h, i] = T.if_then_else(valid[i], 0, -T.infinity(f32))
-                T.gemm(q_s[:, :dim_v], v_s[st, :, :], acc_p, transpose_B=True, policy=warp_policy)
-                T.gemm(q_s[:, dim_v:], tail_s[st, :, :], acc_p, transpose_B=True, policy=warp_policy)
+                mm(q_s[:, :dim_v], v_s[st, :, :], acc_p, transpose_B=True, policy=warp_policy)
+                mm(q_s[:, dim_v:], tail_s[st, :, :], acc_p, transpose_B=True, policy=warp_policy)
+                if batch_waits:  # dP = dO V^T does not need P: issue it now, wait for all three
+                    mm(do_s, v_s[st, :, :], acc_dp, transpose_B=True, policy=warp_policy, clear_accum=True)
+                    T.wait_wgmma(0)
                 for h, i in T.Parallel(hb, BLOCK_S):
                     acc_p[h, i] = T.exp2(acc_p[h, i] * scale2 - Lse2[t, h0 + h])
                 T.copy(acc_p, p_s)
                 # dS = P * (dO V^T - Delta) * sigma
-                T.gemm(do_s, v_s[st, :, :], acc_dp, transpose_B=True, policy=warp_policy, clear_accum=True)
+                if not batch_waits:
+                    T.gemm(do_s, v_s[st, :, :], acc_dp, transpose_B=True, policy=warp_policy, clear_accum=True)
                 for h, i in T.Parallel(hb, BLOCK_S):
                     acc_dp[h, i] = acc_p[h, i] * (acc_dp[h, i] - Delta[t, h0 + h]) * sm_scale
                 T.copy(acc_dp, ds_s)
                 # dQ += dS K
-                T.gemm(ds_s, v_s[st, :, :], acc_dq, policy=warp_policy)
-                T.gemm(ds_s, tail_s[st, :, :], acc_dq_tail, policy=warp_policy)
-                T.copy(p_s, P[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S])
+                mm(ds_s, v_s[st, :, :], acc_dq, policy=warp_policy)
+                mm(ds_s, tail_s[st, :, :], acc_dq_tail, policy=warp_policy)
+                T.copy(p_s, P[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S])  # while dQ's MMAs run
                 T.copy(ds_s, dS[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S])
+                if batch_waits:  # ds_s and this buffer are read by the dQ products until here
+                    T.wait_wgmma(0)
                 T.sync_threads()  # this buffer is refilled at the top of the step after next
             T.copy(acc_dq, dQ[t, h0:h0 + hb, :dim_v])
             T.copy(acc_dq_tail, dQ[t, h0:h0 + hb, dim_v:])

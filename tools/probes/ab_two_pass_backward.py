@@ -7,7 +7,8 @@
 2. At each shape (bench_kernels' causal top-2048), on the wrapper's prepared operands: the one-pass
    kernel, pass A alone, pass B alone, A + B on whole-size ``P`` / ``dS`` buffers,
    `two_pass_backward` as the autograd wrapper calls it (chunks of 1 GiB of buffers, block counts
-   included), the same in one chunk, the whole backward through `sparse_mla_tilelang` with each ``backward`` and the variants in ``A_POLICIES`` / ``B_VARIANTS``; GPU time (work queued ahead, median of
+   included), the same in one chunk, the whole backward through `sparse_mla_tilelang` with each
+   ``backward`` and the variants in ``A_VARIANTS`` / ``B_VARIANTS``; GPU time (work queued ahead, median of
    20) in rounds that alternate them; TFLOP/s counted on the backward's FLOPs; ``dQ`` and ``dKV``
    against the one-pass kernel's; the fastest pass A with the fastest pass B.
 """
@@ -31,7 +32,7 @@ from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE, TEST_TOPK  # noqa: E402
 from dsa_ref.kernels import sparse_mla_bwd_two_pass as tp  # noqa: E402
 
 
-A_POLICIES = ()  # pass A's default is "Square"
+A_VARIANTS = {"batch_waits": dict(batch_waits=True)}  # pass A's default: policy "Square", a wait per product
 B_VARIANTS = {}  # the default: 3 parts of 192 channels, 64 rows staged at once (2026-12-07_h100_ab_two_pass_backward*.json
 # measured parts=2/rows=8, rows=32, parts=6 and overlap=True; none won)
 
@@ -98,7 +99,7 @@ def time_shape(num_q, num_kv, rounds):
     dS = torch.empty_like(P)
     dkv2 = torch.zeros_like(dkv1)
     ka, kb = tp.dq_kernel(H, DIM, DIM_V, SM_SCALE), tp.dkv_kernel(H, DIM, DIM_V)
-    extra_a = {f"pass_a_{pol}": tp.dq_kernel(H, DIM, DIM_V, SM_SCALE, policy=pol) for pol in A_POLICIES}
+    extra_a = {f"pass_a_{name}": tp.dq_kernel(H, DIM, DIM_V, SM_SCALE, **kw) for name, kw in A_VARIANTS.items()}
     extra_b = {f"pass_b_{name}": tp.dkv_kernel(H, DIM, DIM_V, **kw) for name, kw in B_VARIANTS.items()}
 
     def run_one():
