@@ -221,7 +221,7 @@ def test_pass_a_with_batched_waits_equals_the_default(H):
     """`dq_kernel(batch_waits=True)` (S and dP issued together, P / dS stored while dQ's products run)
     writes the default's P, dS and dQ bit for bit: the same products in the same order (messy slots,
     duplicates, -1 anywhere, an empty row, K = 100 padded to 128)."""
-    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, _pad_indices, with_zero_row
+    from dsa_ref.kernels.autograd import _base2_lse, _block_counts, with_zero_row
     from dsa_ref.kernels.sparse_mla_bwd_two_pass import BLOCK_S, dq_kernel
 
     T, S = 150, 300
@@ -230,10 +230,8 @@ def test_pass_a_with_batched_waits_equals_the_default(H):
     idx[:, 2:6] = 7
     g = torch.Generator(device="cpu").manual_seed(H + 1)
     d_out = torch.randn(T, H, DIM_V, generator=g).to("cuda", torch.bfloat16)
-    ref_out, ref_lse = sparse_mla(q.double(), kv.double(), idx, sm_scale=SM_SCALE, d_v=DIM_V)
-    idx32 = _pad_indices(idx, 64)
+    _, _, ref_lse, idx32, delta = _reference_backward(q, kv, idx, d_out)
     counts = _block_counts(idx32, BLOCK_S)
-    delta = (ref_out.to(torch.bfloat16).float() * d_out.float()).sum(-1).contiguous()  # [T, H]
     lse2 = _base2_lse(ref_lse).float().contiguous()  # [T, H]
     results = []
     for batch_waits in (False, True):
