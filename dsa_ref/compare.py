@@ -379,9 +379,14 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
     if not rel_l2 <= tol.rel_l2:
         failures.append(f"relative L2 error {rel_l2:.3e} > {tol.rel_l2:.1e}")
     if violations:
+        # name the element furthest over its bound (err / bound), which need not hold the largest |err|
+        over = int(ratio.reshape(-1).argmax())
+        over_index = tuple(int(i) for i in _unravel(over, tuple(a.shape)))
+        over_err, over_bound = float(diff_all.reshape(-1)[over]), float(bound.reshape(-1)[over])
         relative_term = "rtol*magnitude" if magnitude is not None else "rtol*|e|"
         failures.append(f"{violations} elements exceed atol*{'rms' if tol.atol_scaled else '1'} + {relative_term} "
-                        f"(worst at {index}: |err| {max_abs:.3e} > {allowed:.3e})")
+                        f"(furthest over at {over_index}: |err| {over_err:.3e} > {over_bound:.3e}, actual "
+                        f"{float(a.reshape(-1)[over]):.6g}, expected {float(e.reshape(-1)[over]):.6g})")
     if not cosine >= tol.min_cosine:
         failures.append(f"cosine similarity {cosine:.9f} < {tol.min_cosine:.9f}")
     return Comparison(name=name, shape=tuple(actual.shape), dtype=actual.dtype, tol=tol, rel_l2=rel_l2,

@@ -390,6 +390,12 @@ def test_a_crashed_family_process_is_recorded_and_resumed(fake_dsa_ref_kernels, 
              "running": ["sparse_fwd", SHAPE.name, "megatron"]}
     assert bp.record_crash(state, -11, "Segmentation fault")
     assert state["results"][0]["status"] == "failed" and "exit code -11" in state["results"][0]["reason"]
+    budget = {"family": "tilelang", "results": [], "running": ["sparse_fwd", SHAPE.name, "tilelang_simple"]}
+    assert bp.record_crash(budget, -9, "tail")  # the benchmark's own kill at --budget-s says so
+    (cut,) = budget["results"]
+    assert cut["reason"] == "the tilelang process was stopped at the time budget while this ran: tail"
+    assert not cut["crashed_process"]
+    assert page.short_reason(cut["reason"]) == "the tilelang process was stopped at the time budget while this ran"
     path = tmp_path / "megatron.json"
     bp._write_json(path, state)
     state = bp.run_family("megatron", impls, [SHAPE, SQUARE], peers_dir=tmp_path, device=CPU, dims=bp.TINY,

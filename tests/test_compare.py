@@ -240,3 +240,20 @@ def test_attention_mass_recall():
         attention_mass_recall(idx, -p)
     with pytest.raises(ValueError, match="indices values"):
         attention_mass_recall(torch.tensor([[9, -1, -1], [0, -1, -1]]), p)
+
+
+def test_a_violation_names_the_element_furthest_over_its_bound():
+    """The element with the largest |err| may be well inside its bound (a large magnitude) while a
+    smaller error elsewhere is over its own: the failure names the latter, and its numbers hold."""
+    e = torch.ones(4, 8, dtype=torch.float64)
+    a = e.clone()
+    a[0, 0] += 0.5  # the largest error, inside rtol * magnitude there
+    a[2, 5] += 0.05  # a smaller error, over its bound
+    magnitude = torch.ones_like(e)
+    magnitude[0, 0] = 100.0
+    tol = Tolerance(rel_l2=1.0, atol=0.0, rtol=0.01, min_cosine=0.0, atol_scaled=False)
+    c = compare(a, e, name="g", tol=tol, magnitude=magnitude)
+    assert c.violations == 1 and c.max_abs_index == (0, 0)
+    (failure,) = c.failures
+    assert "furthest over at (2, 5): |err| 5.000e-02 > 1.000e-02" in failure, failure
+    assert "actual 1.05, expected 1" in failure, failure

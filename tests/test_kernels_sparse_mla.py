@@ -217,9 +217,9 @@ def test_two_pass_backward_matches_one_pass_and_reference(chunked):
 
 
 @pytest.mark.parametrize("H", [64, 128])
-def test_pass_a_with_batched_waits_equals_the_default(H):
-    """`dq_kernel(batch_waits=True)` (S and dP issued together, P / dS stored while dQ's products run)
-    writes the default's P, dS and dQ bit for bit: the same products in the same order (messy slots,
+def test_pass_a_with_batched_waits_equals_one_wait_per_product(H):
+    """`dq_kernel(batch_waits=True)` (S and dP issued together, P / dS stored while dQ's products run;
+    the default at 64-head blocks) writes the P, dS and dQ of ``batch_waits=False`` bit for bit: the same products in the same order (messy slots,
     duplicates, -1 anywhere, an empty row, K = 100 padded to 128)."""
     from dsa_ref.kernels.autograd import _base2_lse, _block_counts, with_zero_row
     from dsa_ref.kernels.sparse_mla_bwd_two_pass import BLOCK_S, dq_kernel

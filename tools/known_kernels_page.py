@@ -103,7 +103,7 @@ def _by_key(results: dict) -> dict:
 
 #: the reasons bench_peers.py gives a family process that ended early; the log tail after them stays in the JSON
 _PROCESS_REASON = re.compile(r"^(the (?:\w+ )?process (?:died while this ran \(exit code -?\d+\)|was stopped at the time "
-                             r"budget|ended \(exit code -?\d+\) before this ran|wrote nothing \(exit code -?\d+\))): ")
+                             r"budget(?: while this ran)?|ended \(exit code -?\d+\) before this ran|wrote nothing \(exit code -?\d+\))): ")
 
 
 def short_reason(reason: str) -> str:

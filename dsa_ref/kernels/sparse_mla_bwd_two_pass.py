@@ -54,7 +54,7 @@ _PASS = {
 # --8<-- [start:dq_kernel]
 @functools.lru_cache(maxsize=None)
 def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str = "Square",
-              batch_waits: bool = False):
+              batch_waits: bool | None = None):
     """Compile pass A: ``dQ``, ``P`` and ``dS`` (any number of queries, keys and slots).
 
     Kernel arguments: ``Q [T, H, D]``, ``KV [S + 1, D]`` (zero row last), ``dO [T, H, dim_v]`` bf16,
@@ -63,10 +63,14 @@ def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str 
     ``P [T, H, K]``, ``dS [T, H, K]`` bf16 (written for every visited block, the rest untouched),
     ``dQ [T, H, D]`` bf16 (written).
 
-    ``batch_waits`` (64-head blocks): issue ``S`` (both parts) with ``dP`` and wait once, then
-    issue the two ``dQ`` products and store ``P`` / ``dS`` while they run (the one-pass kernel's
-    ``batch_waits``); otherwise every product waits for itself."""
+    ``batch_waits`` (64-head blocks; ``None``, the default, turns it on there): issue ``S`` (both
+    parts) with ``dP`` and wait once, then issue the two ``dQ`` products and store ``P`` / ``dS``
+    while they run (the one-pass kernel's ``batch_waits``); ``False``: every product waits for
+    itself. Both write the same bits; batched is 2.4 % faster at 128 heads (H100,
+    ``2026-12-07_h100_ab_two_pass_pass_a_batch_waits.json``)."""
     hb, per_query = head_blocking(heads)
+    if batch_waits is None:
+        batch_waits = hb >= 64
     if batch_waits and hb < 64:
         raise ValueError(f"batch_waits needs 64-head blocks (warpgroup MMAs), got heads={heads}")
     mm = T.wgmma_gemm if batch_waits else T.gemm

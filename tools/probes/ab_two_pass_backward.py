@@ -32,7 +32,8 @@ from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE, TEST_TOPK  # noqa: E402
 from dsa_ref.kernels import sparse_mla_bwd_two_pass as tp  # noqa: E402
 
 
-A_VARIANTS = {"batch_waits": dict(batch_waits=True)}  # pass A's default: policy "Square", a wait per product
+A_VARIANTS = {"one_wait_per_product": dict(batch_waits=False)}  # pass A's default: policy "Square", batched waits
+# (2026-12-07_h100_ab_two_pass_pass_a_batch_waits.json: batched 12.95 against 13.27 ms at 4096x8192)
 B_VARIANTS = {}  # the default: 3 parts of 192 channels, 64 rows staged at once (2026-12-07_h100_ab_two_pass_backward*.json
 # measured parts=2/rows=8, rows=32, parts=6 and overlap=True; none won)
 
