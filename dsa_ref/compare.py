@@ -273,7 +273,8 @@ class Comparison:
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor", tol: Tolerance | None = None,
-            head_dim: int | None = -1, magnitude: torch.Tensor | None = None) -> Comparison:
+            head_dim: int | None = -1, magnitude: torch.Tensor | None = None,
+            allowance: torch.Tensor | None = None) -> Comparison:
     r"""Compare a kernel's tensor with the reference and report every metric (see the module docs).
 
     **Magnitude-based elementwise bound.** When ``expected`` is a sum $e = \sum_i x_i$ (a gradient
@@ -303,6 +304,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
             magnitude $m$ of each expected element (the sum of its terms' absolute values, so
             $m \ge |e|$). When given, the elementwise relative term is ``rtol * magnitude``; ``None``
             (default) keeps ``rtol * |expected|``.
+        allowance: optional float tensor shaped like ``expected``, finite and ``>= 0``: an absolute
+            error each element may carry on top of the two terms, for an error the caller bounds
+            separately (`dsa_ref.oracle.check_sparse_mla_backward`: what a kernel's $\delta$ brings in).
+            The elementwise bound becomes ``atol * rms + rtol * (magnitude or |expected|) + allowance``.
 
     Returns:
         A `Comparison` (``magnitude_based`` says which relative term was used).
@@ -325,6 +330,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
         raise ValueError(f"head_dim must be None, -1 or a dim index in [0, {actual.dim()}), got {head_dim!r}")
     if magnitude is not None:
         _check_magnitude(magnitude, expected, name)
+    if allowance is not None:
+        _check_magnitude(allowance, expected, name, what="allowance")
 
     # float64 on actual's device (a GPU comparison of [4096, 128, 512] outputs stays on the GPU)
     a = actual.detach().to(dtype=torch.float64)
@@ -355,6 +362,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
         m = magnitude.detach().to(device=a.device, dtype=torch.float64)  # [..]
         relative = torch.where(both, m, torch.zeros_like(m))  # [..]
     bound = tol.atol * (rms if tol.atol_scaled else 1.0) + tol.rtol * relative  # [..]
+    if allowance is not None:
+        bound = bound + torch.where(both, allowance.detach().to(device=a.device, dtype=torch.float64), 0.0)  # [..]
     ratio = torch.where(diff_all > 0, diff_all / bound.clamp_min(torch.finfo(torch.float64).tiny),
                         torch.zeros_like(diff_all))
     violations = int((diff_all > bound).sum())
@@ -384,6 +393,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
         over_index = tuple(int(i) for i in _unravel(over, tuple(a.shape)))
         over_err, over_bound = float(diff_all.reshape(-1)[over]), float(bound.reshape(-1)[over])
         relative_term = "rtol*magnitude" if magnitude is not None else "rtol*|e|"
+        relative_term += " + allowance" if allowance is not None else ""
         failures.append(f"{violations} elements exceed atol*{'rms' if tol.atol_scaled else '1'} + {relative_term} "
                         f"(furthest over at {over_index}: |err| {over_err:.3e} > {over_bound:.3e}, actual "
                         f"{float(a.reshape(-1)[over]):.6g}, expected {float(e.reshape(-1)[over]):.6g})")
@@ -397,23 +407,22 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor
                       magnitude_based=magnitude is not None)
 
 
-def _check_magnitude(magnitude, expected: torch.Tensor, name: str) -> None:
-    """Raise ``ValueError`` (naming ``magnitude``) unless it is a finite, non-negative float tensor shaped
-    like ``expected``."""
+def _check_magnitude(magnitude, expected: torch.Tensor, name: str, what: str = "magnitude") -> None:
+    """Raise ``ValueError`` (naming ``what``: ``magnitude`` or ``allowance``) unless it is a finite,
+    non-negative float tensor shaped like ``expected``."""
     if not isinstance(magnitude, torch.Tensor):
-        raise ValueError(f"{name}: magnitude must be a torch.Tensor or None, got {type(magnitude).__name__}")
+        raise ValueError(f"{name}: {what} must be a torch.Tensor or None, got {type(magnitude).__name__}")
     if not magnitude.is_floating_point():
-        raise ValueError(f"{name}: magnitude must be a float tensor, got dtype {magnitude.dtype}")
+        raise ValueError(f"{name}: {what} must be a float tensor, got dtype {magnitude.dtype}")
     if magnitude.shape != expected.shape:
-        raise ValueError(f"{name}: magnitude has shape {tuple(magnitude.shape)} but expected has shape "
+        raise ValueError(f"{name}: {what} has shape {tuple(magnitude.shape)} but expected has shape "
                          f"{tuple(expected.shape)}")
     m = magnitude.detach()
     if not bool(torch.isfinite(m).all()):
-        raise ValueError(f"{name}: magnitude has {int((~torch.isfinite(m)).sum())} non-finite entries; "
+        raise ValueError(f"{name}: {what} has {int((~torch.isfinite(m)).sum())} non-finite entries; "
                          "it must be finite and >= 0")
     if bool((m < 0).any()):
-        raise ValueError(f"{name}: magnitude has {int((m < 0).sum())} negative entries; it must be >= 0 "
-                         "(a sum of absolute values)")
+        raise ValueError(f"{name}: {what} has {int((m < 0).sum())} negative entries; it must be >= 0")
 
 
 def _worst_rows(diff: torch.Tensor, expected: torch.Tensor, head_dim: int) -> list[WorstRow]:

@@ -37,7 +37,9 @@ from dsa_ref.oracle import (
     lse_from_natural,
     lse_to_natural,
     reference_kernel,
+    sparse_mla_backward_delta_terms,
     sparse_mla_backward_magnitudes,
+    delta_allowance_scale,
     to_reference_indices,
     to_thd,
 )
@@ -655,6 +657,70 @@ def _cancellation_case(pairs=256, cold_queries=256, cold_keys=128, K=8, A=8.0, e
 
 
 BWD = dict(convention=DSA_REF, sm_scale=SCALE, d_v=DV)
+
+
+def test_backward_delta_terms_equal_a_brute_force_loop():
+    """t_dq, t_dkv from the chunked float64 code equal their definition written as scalar loops:
+    r = ||P o dP|| + ||O o dO|| per (t, h), each slot's share sigma P_j r, times |kv| or |q|."""
+    q, kv = _inputs(5, 6, seed=13)
+    q, kv = q[:, :2, :7].double(), kv[:, :7].double()  # [T, 2, 7], [6, 7]
+    idx = torch.tensor([[0, 3, -1, 5], [2, 2, 1, -1], [-1, -1, -1, -1], [5, 4, 3, 0], [1, -1, 1, 1]])
+    d_out = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    t_dq, t_dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    for t in range(5):
+        slots = [j for j in range(4) if idx[t, j] >= 0]
+        for h in range(2):
+            s = torch.stack([SCALE * (q[t, h] @ kv[idx[t, j]]) for j in slots]) if slots else None
+            if s is None:
+                continue
+            p = torch.softmax(s, 0)
+            dp = torch.stack([d_out[t, h] @ kv[idx[t, j], :4] for j in slots])
+            o = sum(p[i] * kv[idx[t, j], :4] for i, j in enumerate(slots))
+            r = (p * dp).norm() + (o * d_out[t, h]).norm()
+            for i, j in enumerate(slots):
+                t_dq[t, h] += SCALE * p[i] * r * kv[idx[t, j]].abs()
+                t_dkv[idx[t, j]] += SCALE * p[i] * r * q[t, h].abs()
+    got_dq, got_dkv = sparse_mla_backward_delta_terms(q, kv, idx, d_out, sm_scale=SCALE, d_v=4, chunk_size=2)
+    torch.testing.assert_close(got_dq, t_dq, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got_dkv, t_dkv, rtol=1e-12, atol=1e-15)
+    assert delta_allowance_scale(torch.bfloat16) == 10 * 2.0 ** -8
+    assert delta_allowance_scale(torch.float64) == 10 * 2.0 ** -53
+
+
+def _concentrated_case(T=48, N=64, K=8, sharpness=3.5, seed=21):
+    """Each query's attention held by one key of its slots (``q`` a scaled copy of that key), so
+    ``dP ~ delta`` there: ``dS`` and the magnitude are small while the error of a kernel's delta
+    (from its bf16 output) is not."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(N, D, generator=g).bfloat16()  # [N, D]
+    idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(T)])  # [T, K]
+    hot = kv[idx[:, 0]].float()  # [T, D]: the key each query attends to
+    q = (sharpness * hot[:, None, :] / hot.norm(dim=-1)[:, None, None] + 0.3 * torch.randn(T, H, D, generator=g))
+    d_out = torch.randn(T, H, DV, generator=g).bfloat16()
+    return q.bfloat16(), kv, idx, d_out
+
+
+def test_the_delta_allowance_covers_a_kernels_delta_where_attention_is_concentrated():
+    """A kernel that takes delta from its bf16 output (`bf16_backward_kernel`, as the TileLang kernels do)
+    breaks atol=0 + rtol * m where one key holds the attention, and stays inside once the delta
+    allowance is added; the default check passes it, well inside its bound."""
+    q, kv, idx, d_out = _concentrated_case()
+    dq, dkv = bf16_backward_kernel(q, kv, idx, d_out, SCALE, DV)
+    q64, kv64 = q.double().requires_grad_(True), kv.double().requires_grad_(True)
+    out, _ = sparse_mla(q64, kv64, idx, sm_scale=SCALE, d_v=DV)
+    e_dq, e_dkv = torch.autograd.grad(out, (q64, kv64), d_out.double())
+    m_dq, m_dkv = sparse_mla_backward_magnitudes(q, kv, idx, d_out, sm_scale=SCALE, d_v=DV)
+    t_dq, t_dkv = sparse_mla_backward_delta_terms(q, kv, idx, d_out, sm_scale=SCALE, d_v=DV)
+    tol = Tolerance(rel_l2=1.0, atol=0.0, rtol=accumulation_rtol(torch.bfloat16), min_cosine=0.0)
+    scale = delta_allowance_scale(torch.bfloat16)
+    for name, a, e, m, t in (("dq", dq, e_dq, m_dq, t_dq), ("dkv", dkv, e_dkv, m_dkv, t_dkv)):
+        without = compare(a, e, name=name, tol=tol, magnitude=m, head_dim=None)
+        with_delta = compare(a, e, name=name, tol=tol, magnitude=m, allowance=scale * t, head_dim=None)
+        assert without.violations > 0, f"{name}: the case should need the allowance\n{without}"
+        assert with_delta.violations == 0 and with_delta.worst_ratio < 0.5, str(with_delta)
+        assert "+ allowance" in " ".join(compare(a, e, name=name, tol=replace(tol, rtol=0.0), magnitude=m,
+                                                 allowance=0.0 * t, head_dim=None).failures)
+    assert check_sparse_mla_backward(dq, dkv, d_out, q, kv, idx, **BWD).ok
 
 
 def test_accumulation_rtol_is_the_derived_bound():

@@ -5,10 +5,11 @@ Rebuilds `bench_peers`' inputs for one shape (the same seeds), runs dsa_ref's pu
 (`sparse_mla_tilelang`, ``backward`` as given) per check block as `bench_peers` does (``d_out`` zero
 outside the block), checks it with `dsa_ref.oracle.check_sparse_mla_backward`, and for every
 ``dkv`` / ``dq`` element over its bound prints: actual, expected (float64), the magnitude ``m``, the
-bound's two terms (``atol * rms`` and ``rtol * m``), how many slots of the block read the key row,
-and ``m_delta``: the sum over those reads of ``sigma * P * |q| * sum_v |O dO|``, the size of the
-error a kernel makes through ``delta = rowsum(O * dO)`` computed from its bf16 output ``O`` (the
-one term of `dsa_ref.oracle.accumulation_rtol` that is not relative to ``m``).
+bound's terms (``atol * rms``, ``rtol * m`` and the delta allowance), how many slots of the block
+read the key row, and the delta terms (`dsa_ref.oracle.sparse_mla_backward_delta_terms`: what a
+kernel's ``delta = rowsum(O * dO)`` from its bf16 output can move the element by, per ``lambda u``).
+The 2026-12-07 run (`benchmarks/results/2026-12-07_h100_explain_backward_check_4096x32768.json`)
+was made before the check had the delta allowance, with the sum ``sum_v |O dO|`` in its place.
 
     python tools/probes/explain_backward_check.py --shape 4096x32768:uniform --out explain.json
 """
@@ -31,7 +32,13 @@ sys.modules["bench_peers"] = bp
 spec.loader.exec_module(bp)
 
 from dsa_ref import sparse_mla  # noqa: E402
-from dsa_ref.oracle import CONVENTIONS, check_sparse_mla_backward, sparse_mla_backward_magnitudes  # noqa: E402
+from dsa_ref.oracle import (  # noqa: E402
+    CONVENTIONS,
+    check_sparse_mla_backward,
+    delta_allowance_scale,
+    sparse_mla_backward_delta_terms,
+    sparse_mla_backward_magnitudes,
+)
 
 
 def explain_block(x, lo: int, hi: int, backward: str, limit: int = 8) -> dict:
@@ -45,7 +52,8 @@ def explain_block(x, lo: int, hi: int, backward: str, limit: int = 8) -> dict:
     qb, ib, db = x.q[lo:hi], x.idx[lo:hi], d[lo:hi]  # [C, H, D], [C, K], [C, H, d_v]
     report = check_sparse_mla_backward(dq[lo:hi], dkv, db, qb, x.kv, ib, convention=CONVENTIONS["dsa_ref"],
                                        sm_scale=x.sm_scale, d_v=x.dims.dim_v, q_start=lo)
-    result = {"block": [lo, hi], "ok": report.ok, "failures": [f for c in report.comparisons for f in c.failures]}
+    result = {"block": [lo, hi], "ok": report.ok, "failures": [f for c in report.comparisons for f in c.failures],
+              "worst_ratio": {c.name: c.worst_ratio for c in report.comparisons}}
     if report.ok:
         return result
     # the reference again, to name the elements over their bound
@@ -54,34 +62,27 @@ def explain_block(x, lo: int, hi: int, backward: str, limit: int = 8) -> dict:
         o64, _ = sparse_mla(q64, kv64, ib, sm_scale=x.sm_scale, d_v=x.dims.dim_v)  # [C, H, d_v]
         e_dq, e_dkv = torch.autograd.grad(o64, (q64, kv64), d64)
     m_dq, m_dkv = sparse_mla_backward_magnitudes(qb, x.kv, ib, db, sm_scale=x.sm_scale, d_v=x.dims.dim_v)
-    o_bf16 = o64.detach().to(torch.bfloat16).double()  # [C, H, d_v]: what a kernel's delta reads
-    abs_delta = (o_bf16.abs() * d64.abs()).sum(-1)  # [C, H]
+    t_dq, t_dkv = sparse_mla_backward_delta_terms(qb, x.kv, ib, db, sm_scale=x.sm_scale, d_v=x.dims.dim_v)
     valid = ib >= 0  # [C, K]
-    kv_sel = torch.where(valid[..., None], x.kv.double()[ib.clamp_min(0)], 0.0)  # [C, K, D]
-    scores = torch.einsum("thd,tkd->thk", qb.double(), kv_sel) * x.sm_scale  # [C, H, K]
-    P = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)  # [C, H, K]
-    w = P * abs_delta[..., None] * x.sm_scale  # [C, H, K]
-    m_delta_dkv = torch.zeros_like(m_dkv)  # [N, D]
-    m_delta_dkv.index_add_(0, ib[valid], torch.einsum("thk,thd->tkd", w, qb.double().abs())[valid])
-    m_delta_dq = torch.einsum("thk,tkd->thd", w, kv_sel.abs())  # [C, H, D]
     reads = torch.zeros(x.kv.shape[0], dtype=torch.long, device=ib.device)
     reads.index_add_(0, ib[valid], torch.ones_like(ib[valid]))
-    for c, name, a, e, m, md in ((report.comparisons[0], "dq", dq[lo:hi], e_dq, m_dq, m_delta_dq),
-                                 (report.comparisons[1], "dkv", dkv, e_dkv, m_dkv, m_delta_dkv)):
+    for c, name, a, e, m, md in ((report.comparisons[0], "dq", dq[lo:hi], e_dq, m_dq, t_dq),
+                                 (report.comparisons[1], "dkv", dkv, e_dkv, m_dkv, t_dkv)):
         a64 = a.double()
         rms = float(e.square().mean().sqrt())
         atol_term = c.tol.atol * (rms if c.tol.atol_scaled else 1.0)
-        bound = atol_term + c.tol.rtol * m
+        allowance = delta_allowance_scale(a.dtype) * md
+        bound = atol_term + c.tol.rtol * m + allowance
         over = ((a64 - e).abs() > bound).nonzero().tolist()
         rows = []
         for pos in over[:limit]:
             p = tuple(pos)
             rows.append({"at": list(p), "actual": float(a64[p]), "expected": float(e[p]), "err": float((a64 - e)[p].abs()),
                          "magnitude": float(m[p]), "atol_term": atol_term, "rtol_term": float(c.tol.rtol * m[p]),
-                         "m_delta": float(md[p]), "u_bf16_times_m_delta": float(md[p]) * 2.0 ** -8,
+                         "delta_terms": float(md[p]), "delta_allowance": float(allowance[p]),
                          "reads_of_key": int(reads[p[0]]) if name == "dkv" else None})
         result[name] = {"over": len(over), "rms": rms, "atol": c.tol.atol, "rtol": c.tol.rtol, "elements": rows,
-                        "max_m_delta_over_m": float((md / m.clamp_min(1e-300)).max())}
+                        "max_delta_terms_over_m": float((md / m.clamp_min(1e-300)).max())}
     return result
 
 
