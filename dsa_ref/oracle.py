@@ -54,6 +54,7 @@ __all__ = [
     "check_sparse_mla_backward",
     "sparse_mla_backward_magnitudes",
     "sparse_mla_backward_delta_terms",
+    "indexer_backward_magnitudes",
     "accumulation_rtol",
     "delta_allowance_scale",
     "ACCUMULATION_TERMS",
@@ -1013,6 +1014,74 @@ def _backward_chunks(x: _BackwardInputs, *, sm_scale, d_v, chunk_size):
         dP = torch.einsum("thv,tkv->thk", dout_c, kv_sel[..., :d_v])  # [C, H, K]
         delta = (P * dP).sum(dim=-1, keepdim=True)  # [C, H, 1]
         yield lo, hi, _Chunk(q_c, dout_c, idx_c, valid, kv_sel, P, dP, delta)
+
+
+def indexer_backward_magnitudes(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                                d_scores: torch.Tensor, *, relu: bool = True, chunk_size: int | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The "absolute" backward of the scores at the slots (`dsa_ref.index_scores_at`).
+
+    With $z_{t,h,j} = q_{t,h} \cdot k_{\mathrm{idx}_{t,j}}$, $r = \operatorname{relu}$ (or the
+    identity) and $g_{t,h,j} = d_{t,j}\, w_{t,h}\, r'(z_{t,h,j})$ for the upstream gradient
+    $d$ of the scores $s_{t,j} = \sum_h w_{t,h}\, r(z_{t,h,j})$, the gradients are
+
+    $$ dq_{t,h} = \sum_j g_{t,h,j}\, k_{\mathrm{idx}_{t,j}}, \quad
+       dk_s = \sum_{(t,j):\,\mathrm{idx}_{t,j} = s} \sum_h g_{t,h,j}\, q_{t,h}, \quad
+       dw_{t,h} = \sum_j d_{t,j}\, r(z_{t,h,j}) $$
+
+    and this function returns the same sums with every term in absolute value (the magnitudes
+    $m$ of `dsa_ref.compare.compare`), counting as active every logit within the float32 rounding of
+    a ``D_I``-term dot product of 0 ($|z| \le D_I\, 2^{-24} \sum_d |q_d k_d|$), whose sign a
+    kernel may see flipped. An early key of a causal sequence is read by most queries:
+    its $dk$ sums thousands of terms that cancel, and a kernel's rounding error there scales with
+    $m$, not with $|dk|$. ``-1`` slots contribute nothing; a key in two slots of a row contributes
+    twice. Computed in float64, in query chunks.
+
+    Args:
+        q: ``[T, H_I, D_I]``; k: ``[S, D_I]``; weights: ``[T, H_I]``; indices: int ``[T, K]``
+            (``-1`` = unused); d_scores: ``[T, K]`` (its values at ``-1`` slots are ignored).
+        relu: as in `dsa_ref.index_scores_at`.
+        chunk_size: queries per chunk (memory only).
+
+    Returns:
+        ``(m_dq [T, H_I, D_I], m_dk [S, D_I], m_dw [T, H_I])``, float64, on q's device.
+    """
+    for name, x in (("q", q), ("k", k), ("weights", weights), ("d_scores", d_scores)):
+        check_float(name, x)
+    check_int("indices", indices)
+    if q.dim() != 3 or k.dim() != 2 or k.shape[1] != q.shape[2] or weights.shape != q.shape[:2]:
+        raise ValueError(f"q must be [T, H_I, D_I], k [S, D_I] and weights [T, H_I], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(weights.shape)}")
+    T, H, D = q.shape
+    S = k.shape[0]
+    if indices.dim() != 2 or indices.shape[0] != T or d_scores.shape != indices.shape:
+        raise ValueError(f"indices and d_scores must be [T={T}, K], got {tuple(indices.shape)} and "
+                         f"{tuple(d_scores.shape)}")
+    idx = indices.detach().to(q.device).long()
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= S):
+        raise ValueError(f"indices must be -1 or in [0, {S})")
+    q64, w64 = q.detach().to(torch.float64), weights.detach().to(device=q.device, dtype=torch.float64)
+    k64 = k.detach().to(device=q.device, dtype=torch.float64)  # [S, D_I]
+    d64 = d_scores.detach().to(device=q.device, dtype=torch.float64)  # [T, K]
+    m_dq, m_dk, m_dw = torch.zeros_like(q64), torch.zeros_like(k64), torch.zeros_like(w64)
+    K = idx.shape[1]
+    chunk = auto_chunk_size(T, max(K * H, K * D, 1), chunk_size)
+    for lo, hi in chunk_bounds(T, chunk):
+        idx_c = idx[lo:hi]  # [C, K]
+        valid = idx_c >= 0  # [C, K]
+        k_sel = select_rows(k64, idx_c, valid)  # [C, K, D_I]; -1 slots: zeros
+        z = torch.einsum("thd,tkd->thk", q64[lo:hi], k_sel)  # [C, H_I, K]
+        d_abs = torch.where(valid, d64[lo:hi], 0.0).abs()  # [C, K]
+        # r'(z), counting as active every z within the float32 rounding of a D_I-term dot product of 0,
+        # where a kernel may see the other sign (Higham: |fl(z) - z| <= D_I 2^-24 sum_d |q_d k_d|)
+        band = D * 2.0 ** -24 * torch.einsum("thd,tkd->thk", q64[lo:hi].abs(), k_sel.abs())  # [C, H_I, K]
+        active = (z > -band).to(torch.float64) if relu else torch.ones_like(z)  # [C, H_I, K]
+        g_abs = d_abs[:, None, :] * w64[lo:hi, :, None].abs() * active  # [C, H_I, K]
+        m_dq[lo:hi] = torch.einsum("thk,tkd->thd", g_abs, k_sel.abs())  # [C, H_I, D_I]
+        per_slot = torch.einsum("thk,thd->tkd", g_abs, q64[lo:hi].abs())  # [C, K, D_I]
+        m_dk.index_add_(0, idx_c[valid], per_slot[valid])  # [S, D_I]
+        m_dw[lo:hi] = torch.einsum("tk,thk->th", d_abs, (z.relu() if relu else z.abs()))  # [C, H_I]
+    return m_dq, m_dk, m_dw
 
 
 def check_sparse_mla_backward(kernel_dq: torch.Tensor, kernel_dkv: torch.Tensor, d_out: torch.Tensor,

@@ -38,6 +38,7 @@ from dsa_ref.oracle import (
     lse_to_natural,
     reference_kernel,
     sparse_mla_backward_delta_terms,
+    indexer_backward_magnitudes,
     sparse_mla_backward_magnitudes,
     delta_allowance_scale,
     to_reference_indices,
@@ -843,3 +844,48 @@ def test_custom_tolerance_is_used():
     rep = check_sparse_mla(out, lse, q, kv, idx, convention=FLASHMLA_SPARSE_PREFILL, sm_scale=SCALE, d_v=DV,
                            tol=strict)
     assert not rep["out"].ok and rep["lse"].ok
+
+
+def test_indexer_backward_magnitudes_equal_a_brute_force_loop():
+    """m_dq, m_dk, m_dw equal scalar loops over the terms of index_scores_at's backward (-1 slots, a
+    duplicate key, ReLU on and off), and bound the float64 autograd gradients."""
+    from dsa_ref import index_scores_at
+
+    g = torch.Generator().manual_seed(31)
+    T, HI, DI, S = 4, 3, 5, 6
+    q, k = torch.randn(T, HI, DI, generator=g, dtype=torch.float64), torch.randn(S, DI, generator=g, dtype=torch.float64)
+    w = torch.randn(T, HI, generator=g, dtype=torch.float64)
+    idx = torch.tensor([[0, 3, -1], [2, 2, 5], [-1, -1, -1], [5, 4, 1]])
+    d = torch.randn(T, 3, generator=g, dtype=torch.float64)
+    for relu in (True, False):
+        m_dq, m_dk, m_dw = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(w)
+        for t in range(T):
+            for j in range(3):
+                s = int(idx[t, j])
+                if s < 0:
+                    continue
+                for h in range(HI):
+                    z = float(q[t, h] @ k[s])
+                    on = z > 0 if relu else True
+                    m_dq[t, h] += abs(d[t, j] * w[t, h]) * on * k[s].abs()
+                    m_dk[s] += abs(d[t, j] * w[t, h]) * on * q[t, h].abs()
+                    m_dw[t, h] += abs(d[t, j]) * (max(z, 0.0) if relu else abs(z))
+        got = indexer_backward_magnitudes(q, k, w, idx, d, relu=relu, chunk_size=2)
+        for name, a, b in zip(("dq", "dk", "dw"), got, (m_dq, m_dk, m_dw)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=name)
+        qg, kg, wg = (x.clone().requires_grad_(True) for x in (q, k, w))
+        scores = index_scores_at(qg, kg, wg, idx, relu=relu)  # [T, K], -inf at -1 slots
+        grads = torch.autograd.grad(scores, (qg, kg, wg), torch.where(idx >= 0, d, 0.0))
+        for name, grad, m in zip(("dq", "dk", "dw"), grads, got):
+            assert bool((grad.abs() <= m + 1e-12).all()), name
+
+
+def test_indexer_backward_magnitudes_count_logits_at_zero_as_active():
+    """A logit within float32 rounding of 0 counts as active (a kernel may see either sign), one
+    clearly below 0 does not."""
+    q = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)  # [1, 1, 2]
+    k = torch.tensor([[1.0, -1.0], [1.0, -1.5]], dtype=torch.float64)  # logits 0 and -0.5
+    w, d = torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    m_dq, m_dk, _ = indexer_backward_magnitudes(q, k, w, torch.tensor([[0, 1]]), d)
+    assert torch.equal(m_dk[0], q[0, 0].abs()) and torch.equal(m_dk[1], torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(m_dq[0, 0], k[0].abs())

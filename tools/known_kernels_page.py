@@ -290,12 +290,18 @@ def findings_section(results: dict | None) -> list[str]:
                      "cut off by the budget, not by a fault in the kernels; the full log tail of each is in the JSON.")
         lines.append(text)
     mism: dict[tuple, dict] = {}
+    before_delta: set[tuple] = set()  # (op, shape, impl) checked before the oracle allowed for delta's error
+    strict: set[tuple] = set()  # indexer backward checked with rtol * |e|, before the magnitude bound
     for r in results["results"]:
         chk = r.get("check") or {}
         if r["status"] == "ok" and chk.get("status") == "mismatch":
             for name, t in chk.get("tensors", {}).items():
                 if not t.get("ok", True) and not t.get("nonfinite_mismatch"):
                     mism[(r["op"], r["shape"], r["impl"], name)] = t
+            if r["op"] == "sparse_bwd" and not any("delta" in n for n in chk.get("notes", [])):
+                before_delta.add((r["op"], r["shape"], r["impl"]))
+            if r["op"] == "indexer_bwd" and not any("magnitude" in n for n in chk.get("notes", [])):
+                strict.add((r["op"], r["shape"], r["impl"]))
     if mism:
         same = sorted({(op, shape, name) for (op, shape, impl, name) in mism if impl == "dsa_ref"
                        and (op, shape, "megatron", name) in mism
@@ -303,24 +309,36 @@ def findings_section(results: dict | None) -> list[str]:
                       key=lambda k: (k[0], _shape_names(results).index(k[1])))
         own = sorted({(op, shape, name) for (op, shape, impl, name) in mism if impl == "dsa_ref"} - set(same),
                      key=lambda k: (k[0], _shape_names(results).index(k[1])))
-        text = "- **Open finding: gradients outside the oracle's bf16 tolerance.** "
-        if same:
-            maxes = " / ".join(f"{_num(mism[(op, s, 'dsa_ref', n)]['max_abs']):.3g}" for op, s, n in same)
-            rels = [_num(mism[(op, s, 'dsa_ref', n)]['rel_l2']) for op, s, n in same]
-            counts = [_exceeding(mism[(op, s, 'dsa_ref', n)]) for op, s, n in same]
-            text += (f"`{same[0][0]}` `{same[0][2]}` of dsa_ref and of Megatron at "
-                     f"{', '.join(s.split()[0] for _, s, _ in same)}: the two kernels give the same errors "
-                     f"(max |err| {maxes}, rel. L2 {_range(rels, '.2g')}), so they agree with each other; "
-                     f"{_range(counts, 'd')} {'element' if max(counts) == 1 else 'elements'} per shape, of "
-                     "millions, exceed the tolerance. ")
-        if own:
-            rels = [_num(mism[(op, s, 'dsa_ref', n)]['rel_l2']) for op, s, n in own]
-            text += ("Likewise dsa_ref's " + ", ".join(sorted({f"`{op}` `{n}`" for op, _, n in own})) + " at "
-                     f"{', '.join(s.split()[0] for _, s, _ in own)} (rel. L2 {_range(rels, '.2g')}). ")
-        text += ("These are key rows read by most queries: their gradient is a long float32 sum, rounded once to "
-                 "bf16, and the oracle's tolerance for such heavily reused rows is not yet settled against a real "
-                 "error. Until it is, these cells are not passes.")
-        lines.append(text)
+        explained = [k for k in same if (k[0], k[1], "dsa_ref") in before_delta and (k[0], k[1], "megatron") in before_delta]
+        same = [k for k in same if k not in explained]
+        if explained:
+            lines.append(_agreeing_errors("- **Backward gradients outside the bound of the check these runs used.** ",
+                                          explained, mism)
+                         + "That check did not yet allow for the error of a kernel's delta = rowsum(O * dO), taken "
+                         "from its rounded output, which does not shrink where a row's score gradients cancel. "
+                         "Worked through in [Checking your kernel](checking_your_kernel.md), that is the element "
+                         "over the bound at 4096x32768, and the check now allows for it; these cells stay as "
+                         "their run measured them.")
+        if same or own:
+            text = "- **Open finding: gradients outside the oracle's bf16 tolerance.** "
+            if same:
+                text = _agreeing_errors(text, same, mism)
+            if own:
+                rels = [_num(mism[(op, s, 'dsa_ref', n)]['rel_l2']) for op, s, n in own]
+                text += ("Likewise dsa_ref's " if same else "dsa_ref's ") + ", ".join(
+                    sorted({f"`{op}` `{n}`" for op, _, n in own})) + " at " + \
+                    f"{', '.join(s.split()[0] for _, s, _ in own)} (rel. L2 {_range(rels, '.2g')}). "
+            text += ("These are key rows read by most queries: their gradient is a long float32 sum, rounded once "
+                     "to bf16, whose terms cancel. ")
+            if own and all((op, sh, "dsa_ref") in strict for op, sh, _ in own):
+                text += ("Their run checked each element against rtol * |e|; the check now bounds it by rtol times "
+                         "the sum of its terms' absolute values (`dsa_ref.oracle.indexer_backward_magnitudes`), as "
+                         "for the sparse backward; the next run checks them so. Until then these cells are not "
+                         "passes.")
+            else:
+                text += ("The oracle's tolerance for such heavily reused rows is not yet settled against a real "
+                         "error. Until it is, these cells are not passes.")
+            lines.append(text)
     conv = sorted({f"{r['impl']} {r['op']}" for r in results["results"] if r["status"] == "ok"
                    and (r.get("check") or {}).get("status") == "mismatch"
                    and any(t.get("nonfinite_mismatch") for t in r["check"].get("tensors", {}).values())})
@@ -328,6 +346,18 @@ def findings_section(results: dict | None) -> list[str]:
         lines.append("- **Non-finite values on the rows with no valid slot:** " + ", ".join(conv) + " (the "
                      "conventions below: TileLang's examples return NaN or a finite LSE there).")
     return lines + [""]
+
+
+def _agreeing_errors(text: str, keys: list[tuple], mism: dict) -> str:
+    """``text`` plus: dsa_ref's and Megatron's gradient errors at ``keys`` (op, shape, tensor), which are equal."""
+    maxes = " / ".join(f"{_num(mism[(op, s, 'dsa_ref', n)]['max_abs']):.3g}" for op, s, n in keys)
+    rels = [_num(mism[(op, s, 'dsa_ref', n)]['rel_l2']) for op, s, n in keys]
+    counts = [_exceeding(mism[(op, s, 'dsa_ref', n)]) for op, s, n in keys]
+    return text + (f"`{keys[0][0]}` `{keys[0][2]}` of dsa_ref and of Megatron at "
+                   f"{', '.join(s.split()[0] for _, s, _ in keys)}: the two kernels give the same errors "
+                   f"(max |err| {maxes}, rel. L2 {_range(rels, '.2g')}), so they agree with each other; "
+                   f"{_range(counts, 'd')} {'element' if max(counts) == 1 else 'elements'} per shape, of "
+                   "millions, exceed the tolerance. ")
 
 
 def peers_section() -> list[str]:
