@@ -895,16 +895,16 @@ def sparse_mla_backward_magnitudes(q: torch.Tensor, kv: torch.Tensor, indices: t
     return m_dq, m_dkv
 
 
-#: the multiple of its standard deviation that bounds the rounding error of a kernel's delta
-#: (`sparse_mla_backward_delta_terms`): a sum of independent errors exceeds it with probability
-#: below $2 e^{-\lambda^2/2} \approx 4\cdot 10^{-22}$ (Hoeffding), as `accumulation_rtol`'s $\lambda$
+#: $\lambda$ of `sparse_mla_backward_delta_terms`: a kernel's delta is off by more than $\lambda u\, r$
+#: with probability below $4 e^{-\lambda^2/2} \approx 8\cdot 10^{-22}$ (Hoeffding, two sums of independent
+#: rounding errors), the $\lambda$ of `accumulation_rtol`'s probabilistic bound
 DELTA_LAMBDA = 10.0
 
 
 def delta_allowance_scale(dtype) -> float:
     r"""$\lambda u$: what `sparse_mla_backward_delta_terms` is multiplied by to bound, per gradient
     element, the error a kernel's $\delta = \operatorname{rowsum}(\hat O \circ dO)$ brings in,
-    with $u$ the unit roundoff of ``dtype`` (the kernel's output and gradient dtype) and
+    with $u$ the unit roundoff of ``dtype`` (the forward output's, which ``d_out`` shares) and
     $\lambda$ = `DELTA_LAMBDA`. For bfloat16: $10 \cdot 2^{-8} \approx 0.039$.
     """
     return DELTA_LAMBDA * torch.finfo(dtype).eps / 2
@@ -929,7 +929,7 @@ def sparse_mla_backward_delta_terms(q: torch.Tensor, kv: torch.Tensor, indices: 
     $$ t^{dq}_{t,h} = \sum_j \sigma P_{t,h,j}\, r_{t,h}\, |kv_{\mathrm{idx}_{t,j}}|, \qquad
        t^{dkv}_s = \sum_{(t,j):\,\mathrm{idx}_{t,j} = s} \sum_h \sigma P_{t,h,j}\, r_{t,h}\, |q_{t,h}|, $$
 
-    and `check_sparse_mla_backward` allows ``delta_allowance_scale(dtype) * t`` beside
+    and `check_sparse_mla_backward` allows ``delta_allowance_scale(d_out.dtype) * t`` beside
     $\text{rtol}\cdot m$. Same arguments and chunking as `sparse_mla_backward_magnitudes`.
 
     Returns:
@@ -1110,7 +1110,7 @@ def check_sparse_mla_backward(kernel_dq: torch.Tensor, kernel_dkv: torch.Tensor,
     for the derivation), so the check is never stricter than the strict one. Relative L2, cosine and
     ``atol`` stay those of the tolerance. Where terms cancel the relative term grows by $m/|e|$, so
     a bug as small as the rounding noise of a heavily read row (one slot among thousands) passes
-    elementwise there. To that bound each element adds ``delta_allowance_scale(dtype) * t``, with
+    elementwise there. To that bound each element adds ``delta_allowance_scale(d_out.dtype) * t``, with
     $t$ from `sparse_mla_backward_delta_terms`: the error of a kernel's $\delta$, computed from its
     rounded output, which $\text{rtol}\cdot m$ does not cover where one key holds most of a row's
     attention ($dP \approx \delta$, so $dS$ and $m$ are small while that error is not).
@@ -1159,8 +1159,9 @@ def check_sparse_mla_backward(kernel_dq: torch.Tensor, kernel_dkv: torch.Tensor,
         mag_dkv = _keys_from_thd(m_dkv, convention.layout, kv)
         t_dq, t_dkv = sparse_mla_backward_delta_terms(q_ref.detach(), kv_ref.detach(), idx_ref, dout_ref,
                                                       sm_scale=sm_scale, d_v=d_v)  # [T, H, D], [N, D]
-        allow_dq = from_thd(t_dq, convention.layout, batch=g.B) * delta_allowance_scale(kernel_dq.dtype)
-        allow_dkv = _keys_from_thd(t_dkv, convention.layout, kv) * delta_allowance_scale(kernel_dkv.dtype)
+        scale = delta_allowance_scale(d_out.dtype)  # u of the output delta is taken from (d_out's dtype)
+        allow_dq = from_thd(t_dq, convention.layout, batch=g.B) * scale
+        allow_dkv = _keys_from_thd(t_dkv, convention.layout, kv) * scale
 
     def tolerance(x: torch.Tensor) -> Tolerance:
         if tol is not None:
