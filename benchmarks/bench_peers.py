@@ -97,8 +97,8 @@ from dsa_ref.oracle import (  # noqa: E402
     CONVENTIONS,
     Report,
     check_indexer,
-    check_sparse_mla,
     accumulation_rtol,
+    check_sparse_mla,
     check_sparse_mla_backward,
     from_reference_indices,
     indexer_backward_magnitudes,
@@ -383,9 +383,9 @@ FP8_SCORES_TOLERANCE = Tolerance(rel_l2=2e-3, atol=1e-2, rtol=1e-2, min_cosine=1
                                  reason="fp8 e4m3 products accumulated on Hopper's fp8 tensor cores (~14 bits), "
                                         "against the dequantised inputs")
 
-#: bf16 outputs, and gradients that feed a bf16 step: the bf16 preset of dsa_ref.compare
-#: the indexer backward's: the bf16 preset, its elementwise rtol times the magnitude (a kernel rounds each
-#: g = d * w * relu' to bf16 before its GEMMs and accumulates in float32: `accumulation_rtol`)
+#: the indexer backward's gradients (they feed a bf16 step): the bf16 preset, its elementwise rtol times
+#: the magnitude (a kernel rounds each g = d * w * relu' to bf16 before its GEMMs and accumulates in
+#: float32: `accumulation_rtol`)
 INDEXER_GRAD_TOLERANCE = replace(tolerance_for(torch.bfloat16),
                                  rtol=max(tolerance_for(torch.bfloat16).rtol, accumulation_rtol(torch.bfloat16)))
 

@@ -882,17 +882,17 @@ def sparse_mla_backward_magnitudes(q: torch.Tensor, kv: torch.Tensor, indices: t
     Returns:
         ``(m_dq [T, H, D], m_dkv [N, D])``, float64, on q's device.
     """
-    sm_scale = check_scale("sm_scale", sm_scale)
-    x = _backward_inputs(q, kv, indices, d_out, d_v=d_v)
-    m_dq = torch.zeros_like(x.q)  # [T, H, D]
-    m_dkv = torch.zeros_like(x.kv)  # [N, D]
-    for lo, hi, c in _backward_chunks(x, sm_scale=sm_scale, d_v=d_v, chunk_size=chunk_size):
-        dS_abs = (c.P * (c.dP - c.delta) * sm_scale).abs()  # [C, H, K]
-        m_dq[lo:hi] = torch.einsum("thk,tkd->thd", dS_abs, c.kv_sel.abs())  # [C, H, D]
-        per_slot = torch.einsum("thk,thd->tkd", dS_abs, c.q.abs())  # [C, K, D]: |dS|^T |q|
-        per_slot[..., :d_v] += torch.einsum("thk,thv->tkv", c.P, c.d_out.abs())  # [C, K, d_v]: P^T |dO|
-        m_dkv.index_add_(0, c.idx[c.valid], per_slot[c.valid])  # [N, D]; valid slots only, once per slot
-    return m_dq, m_dkv
+    (magnitudes,) = _backward_sums(q, kv, indices, d_out, (_magnitude_terms,), sm_scale=sm_scale, d_v=d_v,
+                                   chunk_size=chunk_size)
+    return magnitudes
+
+
+def _magnitude_terms(c: _Chunk, sm_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's terms of `sparse_mla_backward_magnitudes`: ``(m_dq [C, H, D], per slot [C, K, D])``."""
+    dS_abs = (c.P * (c.dP - c.delta) * sm_scale).abs()  # [C, H, K]
+    per_slot = torch.einsum("thk,thd->tkd", dS_abs, c.q.abs())  # [C, K, D]: |dS|^T |q|
+    per_slot[..., :d_v] += torch.einsum("thk,thv->tkv", c.P, c.d_out.abs())  # [C, K, d_v]: P^T |dO|
+    return torch.einsum("thk,tkd->thd", dS_abs, c.kv_sel.abs()), per_slot  # [C, H, D], [C, K, D]
 
 
 #: $\lambda$ of `sparse_mla_backward_delta_terms`: a kernel's delta is off by more than $\lambda u\, r$
@@ -935,23 +935,22 @@ def sparse_mla_backward_delta_terms(q: torch.Tensor, kv: torch.Tensor, indices: 
     Returns:
         ``(t_dq [T, H, D], t_dkv [N, D])``, float64, on q's device.
     """
-    sm_scale = check_scale("sm_scale", sm_scale)
-    x = _backward_inputs(q, kv, indices, d_out, d_v=d_v)
-    t_dq = torch.zeros_like(x.q)  # [T, H, D]
-    t_dkv = torch.zeros_like(x.kv)  # [N, D]
-    for lo, hi, c in _backward_chunks(x, sm_scale=sm_scale, d_v=d_v, chunk_size=chunk_size):
-        out = torch.einsum("thk,tkv->thv", c.P, c.kv_sel[..., :d_v])  # [C, H, d_v]: the exact O
-        r = (c.P * c.dP).norm(dim=-1, keepdim=True) + (out * c.d_out).norm(dim=-1, keepdim=True)  # [C, H, 1]
-        w = sm_scale * c.P * r  # [C, H, K]: each dS's share of the delta error
-        t_dq[lo:hi] = torch.einsum("thk,tkd->thd", w, c.kv_sel.abs())  # [C, H, D]
-        per_slot = torch.einsum("thk,thd->tkd", w, c.q.abs())  # [C, K, D]
-        t_dkv.index_add_(0, c.idx[c.valid], per_slot[c.valid])  # [N, D]
-    return t_dq, t_dkv
+    (terms,) = _backward_sums(q, kv, indices, d_out, (_delta_terms,), sm_scale=sm_scale, d_v=d_v,
+                              chunk_size=chunk_size)
+    return terms
+
+
+def _delta_terms(c: _Chunk, sm_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's terms of `sparse_mla_backward_delta_terms`: ``(t_dq [C, H, D], per slot [C, K, D])``."""
+    out = torch.einsum("thk,tkv->thv", c.P, c.kv_sel[..., :d_v])  # [C, H, d_v]: the exact O
+    r = (c.P * c.dP).norm(dim=-1, keepdim=True) + (out * c.d_out).norm(dim=-1, keepdim=True)  # [C, H, 1]
+    w = sm_scale * c.P * r  # [C, H, K]: each dS's share of the delta error
+    return torch.einsum("thk,tkd->thd", w, c.kv_sel.abs()), torch.einsum("thk,thd->tkd", w, c.q.abs())
 
 
 @dataclass
 class _BackwardInputs:
-    """The arguments of the magnitude-style sums, checked, in float64 on q's device."""
+    """The arguments of `_backward_sums`, checked, in float64 on q's device."""
 
     q: torch.Tensor  # [T, H, D]
     kv: torch.Tensor  # [N, D]
@@ -961,7 +960,7 @@ class _BackwardInputs:
 
 @dataclass
 class _Chunk:
-    """One chunk of queries of the float64 backward: what both magnitude-style sums read."""
+    """One chunk of queries of the float64 backward: what the parts of `_backward_sums` read."""
 
     q: torch.Tensor  # [C, H, D]
     d_out: torch.Tensor  # [C, H, d_v]
@@ -974,7 +973,7 @@ class _Chunk:
 
 
 def _backward_inputs(q, kv, indices, d_out, *, d_v) -> _BackwardInputs:
-    """Check the arguments of the magnitude-style sums (ValueError / TypeError naming them)."""
+    """Check the arguments of `_backward_sums` (ValueError / TypeError naming them)."""
     check_float("q", q)
     check_float("kv", kv)
     check_float("d_out", d_out)
@@ -1001,8 +1000,17 @@ def _backward_inputs(q, kv, indices, d_out, *, d_v) -> _BackwardInputs:
     return _BackwardInputs(q64, kv64, idx, dout64)
 
 
-def _backward_chunks(x: _BackwardInputs, *, sm_scale, d_v, chunk_size):
-    """Yield ``(lo, hi, _Chunk)`` per chunk of queries of the float64 backward (no ``[T, S]`` tensor)."""
+def _backward_sums(q, kv, indices, d_out, parts, *, sm_scale, d_v,
+                   chunk_size) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sum each of ``parts`` over the float64 backward, in one pass of query chunks (no ``[T, S]`` tensor).
+
+    A part maps a `_Chunk` (and ``sm_scale``, ``d_v``) to ``(per query [C, H, D], per slot [C, K, D])``;
+    its sums are ``(dq-like [T, H, D], dkv-like [N, D])``, the per-slot terms added to their key rows
+    (valid slots only, once per slot). Returns one pair per part.
+    """
+    sm_scale = check_scale("sm_scale", sm_scale)
+    x = _backward_inputs(q, kv, indices, d_out, d_v=d_v)
+    sums = [(torch.zeros_like(x.q), torch.zeros_like(x.kv)) for _ in parts]  # [T, H, D], [N, D] each
     (T, H, D), K = x.q.shape, x.idx.shape[1]
     chunk = auto_chunk_size(T, max(H * K, K * D, H * D), chunk_size)
     for lo, hi in chunk_bounds(T, chunk):
@@ -1013,7 +1021,12 @@ def _backward_chunks(x: _BackwardInputs, *, sm_scale, d_v, chunk_size):
         P, _ = masked_softmax_with_lse(scores, valid[:, None, :])  # [C, H, K]; 0 on -1 slots and empty rows
         dP = torch.einsum("thv,tkv->thk", dout_c, kv_sel[..., :d_v])  # [C, H, K]
         delta = (P * dP).sum(dim=-1, keepdim=True)  # [C, H, 1]
-        yield lo, hi, _Chunk(q_c, dout_c, idx_c, valid, kv_sel, P, dP, delta)
+        c = _Chunk(q_c, dout_c, idx_c, valid, kv_sel, P, dP, delta)
+        for part, (per_query, per_key) in zip(parts, sums):
+            q_terms, slot_terms = part(c, sm_scale, d_v)  # [C, H, D], [C, K, D]
+            per_query[lo:hi] = q_terms
+            per_key.index_add_(0, idx_c[valid], slot_terms[valid])  # [N, D]
+    return sums
 
 
 def indexer_backward_magnitudes(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
@@ -1153,12 +1166,12 @@ def check_sparse_mla_backward(kernel_dq: torch.Tensor, kernel_dkv: torch.Tensor,
     notes = stats.notes(convention)
     mag_dq = mag_dkv = allow_dq = allow_dkv = None
     if accumulation_aware:
-        m_dq, m_dkv = sparse_mla_backward_magnitudes(q_ref.detach(), kv_ref.detach(), idx_ref, dout_ref,
-                                                     sm_scale=sm_scale, d_v=d_v)  # [T, H, D], [N, D]
+        # sparse_mla_backward_magnitudes and sparse_mla_backward_delta_terms, in one pass
+        (m_dq, m_dkv), (t_dq, t_dkv) = _backward_sums(q_ref.detach(), kv_ref.detach(), idx_ref, dout_ref,
+                                                      (_magnitude_terms, _delta_terms), sm_scale=sm_scale,
+                                                      d_v=d_v, chunk_size=None)  # [T, H, D], [N, D] each
         mag_dq = from_thd(m_dq, convention.layout, batch=g.B)
         mag_dkv = _keys_from_thd(m_dkv, convention.layout, kv)
-        t_dq, t_dkv = sparse_mla_backward_delta_terms(q_ref.detach(), kv_ref.detach(), idx_ref, dout_ref,
-                                                      sm_scale=sm_scale, d_v=d_v)  # [T, H, D], [N, D]
         scale = delta_allowance_scale(d_out.dtype)  # u of the output delta is taken from (d_out's dtype)
         allow_dq = from_thd(t_dq, convention.layout, batch=g.B) * scale
         allow_dkv = _keys_from_thd(t_dkv, convention.layout, kv) * scale

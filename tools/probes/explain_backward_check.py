@@ -17,7 +17,6 @@ was made before the check had the delta allowance, with the sum ``sum_v |O dO|``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -26,10 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "benchmarks" / "bench_peers.py")
-bp = importlib.util.module_from_spec(spec)
-sys.modules["bench_peers"] = bp
-spec.loader.exec_module(bp)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_peers as bp  # noqa: E402
 
 from dsa_ref import sparse_mla  # noqa: E402
 from dsa_ref.oracle import (  # noqa: E402

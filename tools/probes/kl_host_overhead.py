@@ -6,7 +6,6 @@ Prints one JSON object; run on the GPU machine."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,10 +14,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "benchmarks" / "bench_peers.py")
-bp = importlib.util.module_from_spec(spec)
-sys.modules["bench_peers"] = bp
-spec.loader.exec_module(bp)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_peers as bp  # noqa: E402
 sys.path.insert(0, str(ROOT / "tools" / "probes"))
 from launch_overhead import host_us  # noqa: E402
 
