@@ -907,6 +907,8 @@ def delta_allowance_scale(dtype) -> float:
     with $u$ the unit roundoff of ``dtype`` (the forward output's, which ``d_out`` shares) and
     $\lambda$ = `DELTA_LAMBDA`. For bfloat16: $10 \cdot 2^{-8} \approx 0.039$.
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a torch float dtype (the forward output's), got {dtype!r}")
     return DELTA_LAMBDA * torch.finfo(dtype).eps / 2
 
 

@@ -686,6 +686,8 @@ def test_backward_delta_terms_equal_a_brute_force_loop():
     torch.testing.assert_close(got_dkv, t_dkv, rtol=1e-12, atol=1e-15)
     assert delta_allowance_scale(torch.bfloat16) == 10 * 2.0 ** -8
     assert delta_allowance_scale(torch.float64) == 10 * 2.0 ** -53
+    with pytest.raises(TypeError, match="dtype must be a torch float dtype"):
+        delta_allowance_scale(torch.int32)
 
 
 def _concentrated_case(T=48, N=64, K=8, sharpness=3.5, seed=21):
