@@ -519,6 +519,32 @@ def test_page_without_results_states_conventions_and_how_to_measure():
     assert "| empty row: output | 0 | 0 | 0 | NaN |" in text
 
 
+def test_page_says_what_a_recheck_found_for_cells_the_older_check_failed():
+    """A backward cell that an older check (no delta allowance) failed in dsa_ref and Megatron alike is
+    explained on the page; a later run that re-checked the cell is named with what it found, pass or not."""
+    def bwd(impl, family, status):
+        t = {"ok": status == "ok", "rel_l2": 0.0027, "max_abs": 0.0597, "nonfinite": 0, "nonfinite_mismatch": 0,
+             "failures": [] if status == "ok" else ["1 elements exceed atol + rtol * m"]}
+        return {"op": "sparse_bwd", "shape": "4096x8192 causal", "impl": impl, "family": family, "status": "ok",
+                "ms_per_call": 10.0, "ms_back_to_back": 9.5, "tflops": 200.0,
+                "check": {"status": status, "notes": [], "tensors": {"dkv": t}}}
+
+    results = copy.deepcopy(synthetic_results())
+    results["results"] += [bwd("dsa_ref", "dsa_ref", "mismatch"), bwd("megatron", "megatron", "mismatch")]
+    later = copy.deepcopy(synthetic_results())
+    later["meta"]["date"] = "2099-01-02"
+    later["results"] = [bwd("dsa_ref", "dsa_ref", "ok"), bwd("megatron", "megatron", "mismatch")]
+    for r in later["results"]:
+        r["check"]["notes"] = ["... plus the error a kernel's delta (from its rounded output) brings in"]
+    text = page.findings_section(results)
+    line = next(x for x in text if "outside the bound of the check these runs used" in x)
+    assert "A later run" not in line
+    results["rechecks"] = [{**later, "source": "later.json"}]
+    line = next(x for x in page.findings_section(results) if "outside the bound of the check these runs used" in x)
+    assert ("A later run checked them with the current oracle (2099-01-02, Fake GPU, `later.json`, `sparse_bwd` at "
+            "4096x8192): dsa_ref passed; megatron failed.") in line
+
+
 def test_committed_page_is_the_generators_output():
     committed = (ROOT / "docs" / "known_kernels.md").read_text()
     first = committed.splitlines()[0]
@@ -526,8 +552,12 @@ def test_committed_page_is_the_generators_output():
     results, source, figure = None, None, None
     if " from " in first:
         source = first.split(" from ")[1].split(";")[0]
-        names = source.split(" and ")
+        runs, _, rechecks = source.partition(" (re-checked by ")
+        names = runs.split(" and ")
         results = page.merge_runs([json.loads((ROOT / n).read_text()) for n in names], names)
+        if rechecks:
+            results["rechecks"] = [{**json.loads((ROOT / n).read_text()), "source": n}
+                                   for n in rechecks.removesuffix(")").split(" and ")]
         figure = page.FIGURE if page.FIGURE.is_file() else None
     assert committed == page.render(results, source=source, figure=figure), \
         "regenerate: python tools/known_kernels_page.py [RESULTS.json] > docs/known_kernels.md"

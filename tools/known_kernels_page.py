@@ -3,6 +3,7 @@
     python tools/known_kernels_page.py benchmarks/results/DATE_h200_peers.json > docs/known_kernels.md
     python tools/known_kernels_page.py > docs/known_kernels.md      # before any GPU run: no measured tables
     python tools/known_kernels_page.py FULL.json KL.json > docs/known_kernels.md  # KL.json re-measured some ops
+    python tools/known_kernels_page.py FULL.json --recheck LATER.json > ...  # LATER.json re-checked some cells
 
 The page states the peers, the calls the benchmark makes (`bench_peers.IMPLS`), their conventions
 (the presets of `dsa_ref.oracle`, which hold the facts measured on the H200) and, from the JSON, the
@@ -202,6 +203,25 @@ def _exceeding(t: dict) -> int:
     return n
 
 
+def _recheck_sentence(results: dict, cells: list[tuple[str, str, str]]) -> str:
+    """What the re-check runs (``results["rechecks"]``, `main`'s ``--recheck``) found for these ``(op, shape,
+    tensor)`` cells: each run's date, file, and the implementations it checked at those shapes, passed or not."""
+    text = ""
+    for run in results.get("rechecks", []):
+        keys = {(op, shape) for op, shape, _ in cells}
+        recs = [r for r in run["results"] if (r["op"], r["shape"]) in keys and r["status"] == "ok"]
+        if not recs:
+            continue
+        ok = [r["impl"] for r in recs if (r.get("check") or {}).get("status") == "ok"]
+        bad = [r["impl"] for r in recs if (r.get("check") or {}).get("status") != "ok"]
+        where = ", ".join(sorted({f"`{r['op']}` at {r['shape'].split()[0]}" for r in recs}))
+        text += (f" A later run checked them with the current oracle ({run['meta'].get('date')}, "
+                 f"{run['meta'].get('gpu', run['meta'].get('device'))}, `{run['source']}`, {where}): "
+                 + (f"{', '.join(ok)} passed" if ok else "")
+                 + ("; " if ok and bad else "") + (f"{', '.join(bad)} failed" if bad else "") + ".")
+    return text
+
+
 def findings_section(results: dict | None) -> list[str]:
     """What the run says, in sentences; every number read from the JSON."""
     if results is None:
@@ -318,7 +338,7 @@ def findings_section(results: dict | None) -> list[str]:
                          "from its rounded output, which does not shrink where a row's score gradients cancel. "
                          "Worked through in [Checking your kernel](checking_your_kernel.md), that is the element "
                          "over the bound at 4096x32768, and the check now allows for it; these cells stay as "
-                         "their run measured them.")
+                         "their run measured them." + _recheck_sentence(results, explained))
         if same or own:
             text = "- **Open finding: gradients outside the oracle's bf16 tolerance.** "
             if same:
@@ -589,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json", nargs="*", type=Path,
                         help="bench_peers.py results files (none: no measured tables); an operation measured in a "
                              "later file replaces that operation's rows of the earlier ones")
+    parser.add_argument("--recheck", action="append", type=Path, default=[],
+                        help="a later bench_peers.py run that re-checked some cells with the current oracle: the "
+                             "findings say what it found for the cells the earlier check failed (repeatable)")
     parser.add_argument("--figure", type=Path, default=FIGURE, help="shown on the page when it exists")
     args = parser.parse_args(argv)
 
@@ -600,7 +623,11 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [name(p) for p in args.json]
     results = merge_runs([json.loads(p.read_text()) for p in args.json], names) if args.json else None
+    if results is not None and args.recheck:
+        results["rechecks"] = [{**json.loads(p.read_text()), "source": name(p)} for p in args.recheck]
     source = " and ".join(names) if names else None
+    if source and args.recheck:
+        source += " (re-checked by " + " and ".join(name(p) for p in args.recheck) + ")"
     figure = args.figure if results is not None and args.figure.is_file() else None
     sys.stdout.write(render(results, source=source, figure=figure))
     return 0

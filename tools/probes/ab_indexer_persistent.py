@@ -1,5 +1,7 @@
 """A/B of the persistent indexer kernel: another commit's `indexer_fwd_persistent.py` against this tree's.
 
+``--new DIR`` puts a candidate (``DIR/persistent_new.py``) in place of this tree's kernel.
+
     git show c8b6d8d:dsa_ref/kernels/indexer_fwd_persistent.py | sed -e 's/from \\._target/from dsa_ref.kernels._target/' \\
         -e 's/from \\.indexer_fwd_ws/from dsa_ref.kernels.indexer_fwd_ws/' > .gpu/old/persistent_old.py
     python tools/probes/ab_indexer_persistent.py --old .gpu/old --out ab.json
@@ -28,13 +30,18 @@ SCHEDULES = ((True, dict(consumers=3, stages=4)), (True, dict(consumers=2, stage
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="folder holding the other commit's kernel as persistent_old.py")
+    parser.add_argument("--new", default=None, help="folder holding a candidate as persistent_new.py (default: this tree's)")
     parser.add_argument("--shape", default="4096x8192")
     parser.add_argument("--out", default="ab_indexer_persistent.json")
     args = parser.parse_args()
     sys.path.insert(0, args.old)
     import persistent_old
 
-    from dsa_ref.kernels import indexer_fwd_persistent as new
+    if args.new:
+        sys.path.insert(0, args.new)
+        import persistent_new as new
+    else:
+        from dsa_ref.kernels import indexer_fwd_persistent as new
     from dsa_ref.kernels.indexer_fwd_fp8 import quantize_indexer_operands
 
     num_q, num_kv = (int(v) for v in args.shape.split("x"))
