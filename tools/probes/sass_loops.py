@@ -1,0 +1,204 @@
+"""The loops of a compiled kernel, read from its SASS: the length, the MMA instructions and the
+instruction mix of each, to count what a kernel issues per tile without a GPU.
+
+    python tools/probes/sass_loops.py indexer_fp8 [--kw '{"consumers": 3, "stages": 4}']
+    python tools/probes/sass_loops.py forward
+    python tools/probes/sass_loops.py --binary flashmla_sparse_sm90.so [--function 0]   # any cubin or .so
+    python tools/probes/sass_loops.py --sass listing.sass                               # a cuobjdump -sass listing
+
+Kernels: ``indexer`` and ``indexer_fp8`` (the persistent schedule the wrappers run, 64 heads,
+``--kw`` for other knobs), ``forward`` (the staggered sparse MLA forward, 128 heads, int64
+indices). The kernel is compiled on the CPU: TileLang writes its CUDA source for sm_90a, ``nvcc
+-cubin`` compiles it (``-Xptxas -v`` prints registers and spills) and ``cuobjdump -sass``
+disassembles it. Needs TileLang, the CUDA toolkit's ``nvcc``, and ``cuobjdump`` (the toolkit's, or
+``pip install nvidia-cuda-cuobjdump``; ``--cuobjdump`` names it).
+
+A loop is a backward branch inside a function's code; the stubs after its last ``EXIT`` (the
+retry loops of barrier waits) are left out. Its length is static: every instruction between the
+branch target and the branch, on all paths through the body (a branch that skips part of the body
+on most passes, as the persistent indexer's streamer does at a pair boundary, counts it anyway).
+Nested loops are listed each on its own, so an outer loop's length includes its inner ones. Counts
+are per warp and per pass: a warp-specialised kernel's roles are separate loops (find them by their
+instruction mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH_TARGET = re.compile(r"\bBRA\s+(?:`\()?(?:\S+,\s*)?(0x[0-9a-f]+)")
+
+
+@dataclass
+class Function:
+    name: str
+    code: list[tuple[int, str]] = field(default_factory=list)  # (address, instruction) in order
+
+
+@dataclass
+class Loop:
+    start: int  # address of the branch target (the loop's first instruction)
+    end: int  # address of the backward branch
+    length: int  # instructions from start to end, both included
+    mma: int  # warpgroup MMA instructions (HGMMA, QGMMA, ...) among them
+    mix: dict[str, int]  # opcode -> count, most common first
+
+
+def parse_sass(text: str) -> list[Function]:
+    """The functions of a ``cuobjdump -sass`` listing, each with its ``(address, instruction)`` lines."""
+    functions: list[Function] = []
+    for line in text.splitlines():
+        if "Function :" in line:
+            functions.append(Function(line.split("Function :", 1)[1].strip()))
+            continue
+        m = _LINE.match(line)
+        if m and functions:
+            functions[-1].code.append((int(m.group(1), 16), m.group(2).strip()))
+    return functions
+
+
+def opcode(instruction: str) -> str:
+    """``FFMA.FTZ`` of ``@!P0 FFMA.FTZ R1, R2, R3, R4``: the opcode, without its predicate."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
+def loops(function: Function, min_length: int = 1) -> list[Loop]:
+    """Every backward branch before the function's last ``EXIT``, as a `Loop`, by start address."""
+    code = function.code
+    index = {address: i for i, (address, _) in enumerate(code)}
+    exits = [i for i, (_, ins) in enumerate(code) if opcode(ins) == "EXIT"]
+    last = exits[-1] if exits else len(code)
+    found = []
+    for i, (address, ins) in enumerate(code[:last]):
+        if opcode(ins) != "BRA":
+            continue
+        m = _BRANCH_TARGET.search(ins)
+        target = int(m.group(1), 16) if m else None
+        if target is None or target >= address or target not in index:
+            continue
+        body = code[index[target]:i + 1]
+        if len(body) < min_length:
+            continue
+        mix = collections.Counter(opcode(b) for _, b in body)
+        found.append(Loop(target, address, len(body), sum(n for op, n in mix.items() if "GMMA" in op),
+                          dict(mix.most_common())))
+    return sorted(found, key=lambda loop: (loop.start, loop.end))
+
+
+def report(function: Function, min_length: int, top: int) -> str:
+    """One line per loop: addresses, length, MMA count, the ``top`` most common opcodes."""
+    lines = [f"{function.name[:100]}: {len(function.code)} instructions"]
+    for loop in loops(function, min_length):
+        mix = ", ".join(f"{op} {n}" for op, n in list(loop.mix.items())[:top])
+        lines.append(f"  loop {loop.start:#06x}-{loop.end:#06x}: {loop.length} instructions, {loop.mma} MMA | {mix}")
+    return "\n".join(lines)
+
+
+def kernel_source(name: str, kw: dict) -> str:
+    """The CUDA source TileLang writes for one of dsa_ref's kernels (compiled for sm_90a, on the CPU)."""
+    os.environ.setdefault("DSA_REF_TILELANG_ARCH", "sm_90a")
+    sys.path.insert(0, str(ROOT))
+    if name in ("indexer", "indexer_fp8"):
+        from dsa_ref.kernels.shapes import INDEXER_DEFAULT, INDEXER_FP8_DEFAULT, INDEXER_DIM
+
+        if name == "indexer":
+            from dsa_ref.kernels.indexer_fwd import indexer_kernel as build
+        else:
+            from dsa_ref.kernels.indexer_fwd_fp8 import indexer_fp8_kernel as build
+        kernel = build(64, INDEXER_DIM, True, **(kw or (INDEXER_DEFAULT if name == "indexer" else INDEXER_FP8_DEFAULT)))
+    elif name == "forward":
+        from dsa_ref.kernels.shapes import DIM, DIM_V, SM_SCALE
+        from dsa_ref.kernels.sparse_mla_fwd import staggered_kernel
+
+        kernel = staggered_kernel(128, DIM, DIM_V, SM_SCALE, kw.get("index_dtype", "int64"))
+    else:
+        raise ValueError(f"unknown kernel {name!r}: indexer, indexer_fp8 or forward")
+    return kernel.get_kernel_source()
+
+
+def compile_to_sass(source: str, cuobjdump: str, workdir: Path) -> tuple[str, str]:
+    """``(sass, ptxas_info)`` of a TileLang CUDA source: ``nvcc -cubin`` for sm_90a, then ``cuobjdump -sass``."""
+    import tilelang
+
+    package = Path(tilelang.__file__).parent
+    cu, cubin = workdir / "kernel.cu", workdir / "kernel.cubin"
+    cu.write_text(source)
+    nvcc = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-O3", "--use_fast_math", "-cubin", "-Xptxas", "-v",
+                           f"-I{package / 'src'}", f"-I{package / '3rdparty' / 'cutlass' / 'include'}",
+                           "-o", str(cubin), str(cu)], capture_output=True, text=True)
+    if nvcc.returncode:
+        raise RuntimeError(f"nvcc failed:\n{nvcc.stderr[-4000:]}")
+    info = "\n".join(line.strip() for line in nvcc.stderr.splitlines() if "ptxas info" in line or "spill" in line)
+    return disassemble(cubin, cuobjdump), info
+
+
+def disassemble(binary: Path, cuobjdump: str) -> str:
+    """``cuobjdump -sass`` of a cubin or of the device code in a shared object."""
+    out = subprocess.run([cuobjdump, "-sass", str(binary)], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"cuobjdump failed: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def find_cuobjdump(given: str | None) -> str:
+    """``--cuobjdump``, else the one on PATH, else the one of the ``nvidia-cuda-cuobjdump`` wheel."""
+    if given:
+        return given
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for candidate in Path(base).glob("*/bin/cuobjdump"):
+                return str(candidate)
+    except ImportError:
+        pass
+    raise SystemExit("no cuobjdump: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`, or pass --cuobjdump")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", nargs="?", choices=["indexer", "indexer_fp8", "forward"])
+    parser.add_argument("--kw", default="{}", help="the kernel builder's knobs, as JSON")
+    parser.add_argument("--sass", type=Path, help="read this cuobjdump -sass listing instead of compiling")
+    parser.add_argument("--binary", type=Path, help="disassemble this cubin or shared object instead of compiling")
+    parser.add_argument("--function", type=int, default=None, help="only this function of the listing (index)")
+    parser.add_argument("--min-length", type=int, default=40, help="leave out shorter loops (default 40)")
+    parser.add_argument("--top", type=int, default=10, help="opcodes shown per loop")
+    parser.add_argument("--cuobjdump", default=None)
+    args = parser.parse_args(argv)
+    if args.sass:
+        text = args.sass.read_text()
+    elif args.binary:
+        text = disassemble(args.binary, find_cuobjdump(args.cuobjdump))
+    elif args.kernel:
+        with tempfile.TemporaryDirectory() as tmp:
+            text, info = compile_to_sass(kernel_source(args.kernel, json.loads(args.kw)),
+                                         find_cuobjdump(args.cuobjdump), Path(tmp))
+        print(info)
+    else:
+        parser.error("name a kernel, or give --sass or --binary")
+    functions = parse_sass(text)
+    chosen = functions if args.function is None else [functions[args.function]]
+    print("\n".join(report(f, args.min_length, args.top) for f in chosen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
