@@ -207,8 +207,8 @@ def _recheck_sentence(results: dict, cells: list[tuple[str, str, str]]) -> str:
     """What the re-check runs (``results["rechecks"]``, `main`'s ``--recheck``) found for these ``(op, shape,
     tensor)`` cells: each run's date, file, and the implementations it checked at those shapes, passed or not."""
     text = ""
+    keys = {(op, shape) for op, shape, _ in cells}
     for run in results.get("rechecks", []):
-        keys = {(op, shape) for op, shape, _ in cells}
         recs = [r for r in run["results"] if (r["op"], r["shape"]) in keys and r["status"] == "ok"]
         if not recs:
             continue
