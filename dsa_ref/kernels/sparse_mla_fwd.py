@@ -57,6 +57,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_I = 64  # selected rows per step
 P_READY = 8  # the staggered kernel's named barriers 8 and 9 (TileLang's own syncs use lower ids)
+OWN_SYNC = 3  # and 3 + c: consumer c's 128 threads (the staggered kernel writes its syncs out)
 
 # One 16-byte ``cp.async`` that copies ``gmem`` when ``used`` and otherwise writes 16 zero bytes
 # without reading anything (PTX ISA: cp.async with a source size, here 16 or 0 bytes).
@@ -177,7 +178,11 @@ def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
 _PASS_WS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 # The staggered kernel reads Indices only below its pairs' end (K is a multiple of 128) and clamps
 # every gathered row into [0, S] (`zero_row_or`), so TileLang's guards on those loads are only cost.
-_PASS_STAGGERED = {**_PASS_WS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
+# Its syncs are written out (TileLang's thread-sync pass off): the pass would put a sync of the
+# producer's 128 threads after every store of a slot's valid flag (16 a pair), which nothing needs,
+# since the flags reach the consumers through the ``kv_ready`` barriers.
+_PASS_STAGGERED = {**_PASS_WS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+                   tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,10 +355,11 @@ def copy_half(p, it, stage, right, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_
     dim_v = kv_s.shape[2]
     lo, hi = (half, dim_v) if right else (0, half)
     T.barrier_wait(kv_free[2 * stage + right], (it & 1) ^ 1)
+    if right == stage:  # (0, L) and (1, R): the stage's first half; the flags before the copies, so that
+        for r in T.unroll(BLOCK_I // 16):  # ptxas orders them against the copies once, not once a row
+            valid_s[stage, r * 16 + p // 8] = rows[stage, r] >= 0
     for r in T.unroll(BLOCK_I // 16):
         slot = r * 16 + p // 8
-        if right == stage:  # (0, L) and (1, R): the stage's first half
-            valid_s[stage, slot] = rows[stage, r] >= 0
         used = T.And(rows[stage, r] >= 0, num_kv > 0)  # else 16 bytes of zeros per copy
         row = T.max(T.min(rows[stage, r], num_kv - 1), 0)  # one row per thread, clamped into KV
         for u in T.unroll((hi - lo) // 64):
@@ -521,6 +527,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                         f0[h] = T.exp2((m0[h] - m0_pair[h]) * scale2)
                     for h, i in T.Parallel(hb, BLOCK_I):
                         s0[h, i] = s0[h, i] * f0[h]
+                    T.sync_threads(OWN_SYNC, 128)  # every warp's S_0 has read the rope buffer
                     T.copy(s0, rope_s[0])  # P_0 into stage 0's rope buffer, for consumer 1
                     T.fence_proxy_async()
                     T.named_barrier_arrive(P_READY, 256)
@@ -551,6 +558,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                 for h, d in T.Parallel(hb, half):
                     o0[h, d] = T.if_then_else(l0[h] > 0, o0[h, d] / l0[h], 0)
                 T.copy(o0, o_s[:, :half])
+                T.sync_threads(OWN_SYNC, 128)  # O_L in shared memory before its bulk store
                 T.copy(o_s[:, :half], Out[t, h0:h0 + hb, :half])
                 for h in T.Parallel(hb):
                     l0[h] = T.if_then_else(l0[h] > 0, (T.log2(l0[h]) + m0[h] * scale2) * LN2, -T.infinity(f32))
@@ -606,6 +614,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                 for h, d in T.Parallel(hb, half):
                     o1[h, d] = T.if_then_else(l1[h] > 0, o1[h, d] / l1[h], 0)
                 T.copy(o1, o_s[:, half:dim_v])
+                T.sync_threads(OWN_SYNC + 1, 128)  # O_R in shared memory before its bulk store
                 T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
             else:  # producer
                 T.set_max_nreg(72, 0)
