@@ -144,6 +144,56 @@ def test_fp8_indexer_persistent_more_pairs_than_blocks(schedule):
     _check(q, k, w, None, None, schedule, relu=False)
 
 
+@pytest.mark.parametrize("S", [1, 127, 129, 131, 193, 385])
+@pytest.mark.parametrize("schedule", [PERSISTENT_FP8, PERSISTENT_FP8_PINGPONG],
+                         ids=["persistent", "persistent-pingpong"])
+def test_fp8_indexer_persistent_partial_last_tile(S, schedule):
+    """S short of a stage (192 or 128 keys) by a few keys, or one key past one: the last tile's keys
+    and key scales come in by bulk-tensor copy, zeros past S, and every key's score is right."""
+    q, k, w = _inputs(67, S, 64, seed=S)
+    _check(q, k, w, None, None, schedule)
+
+
+@pytest.mark.parametrize("schedule", [PERSISTENT_FP8, PERSISTENT_FP8_PINGPONG],
+                         ids=["persistent", "persistent-pingpong"])
+def test_fp8_indexer_persistent_arbitrary_windows(schedule):
+    """Windows that start inside the keys, end before the last one, or are empty (for one query of a
+    pair, or both: a pair with no key tile at all): the ``-inf`` before and after a pair's tiles."""
+    T_, S = 258, 643
+    g = torch.Generator(device="cpu").manual_seed(41)
+    starts = torch.randint(0, S, (T_,), generator=g)
+    ends = torch.minimum(starts + torch.randint(0, S, (T_,), generator=g), torch.tensor(S))
+    starts[10:12], ends[10:12] = 384, 384  # queries 10 and 11, one pair: empty windows at a tile boundary
+    starts[12:14], ends[12:14] = 0, 0  # (both stage sizes, 128 and 192 keys): the pair has no key tile
+    ends[20] = starts[20]  # one query of a pair
+    starts[30:32], ends[30:32] = S, S  # an empty pair past the last key
+    starts[40:42], ends[40:42] = 200, 201  # one key, inside a tile
+    q, k, w = _inputs(T_, S, 64, seed=41)
+    _check(q, k, w, starts.int().cuda(), ends.int().cuda(), schedule)
+
+
+@pytest.mark.parametrize("schedule", [{}, PERSISTENT_FP8], ids=["default", "persistent"])
+def test_fp8_indexer_misaligned_key_scales(schedule):
+    """Key scales in a view 4 bytes past a 16-byte boundary: the persistent kernel copies the scales
+    in bulk, which needs a 16-byte aligned address, so the wrapper copies them first; the scores are
+    those of the aligned scales, bit for bit."""
+    from dsa_ref.kernels.indexer_fwd_fp8 import fp8_indexer_scores_tilelang, quantize_indexer_operands
+
+    cu = torch.tensor([0, 37, 38, 501, 777])
+    starts, ends = (t.cuda() for t in key_windows(cu))
+    q, k, w = _inputs(777, 777, 64, seed=43)
+    q8, qs, k8, ks = quantize_indexer_operands(q, k)
+    storage = torch.empty(ks.numel() + 1, dtype=torch.float32, device="cuda")
+    storage[1:] = ks
+    shifted = storage[1:]
+    assert shifted.data_ptr() % 16 and torch.equal(shifted, ks)
+    aligned = fp8_indexer_scores_tilelang(q8, qs, k8, ks, w, starts=starts, ends=ends, **schedule)
+    got = fp8_indexer_scores_tilelang(q8, qs, k8, shifted, w, starts=starts, ends=ends, **schedule)
+    assert torch.equal(got, aligned)
+    got = fp8_indexer_scores_tilelang(q8, qs, k8, shifted[:, None], w, starts=starts, ends=ends, **schedule)  # [S, 1]
+    assert torch.equal(got, aligned)
+
+
 @pytest.mark.parametrize("junk", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_fp8_indexer_ignores_keys_outside_the_window(junk):
     """A NaN or Inf key quantises to NaN values and a NaN or Inf scale: only queries that see it may change."""

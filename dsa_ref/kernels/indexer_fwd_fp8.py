@@ -248,7 +248,8 @@ def fp8_indexer_scores_tilelang(q8, q_scale, k8, k_scale, weights, *, starts=Non
 
     Args:
         q8: ``[T, H_I, 128]`` ``torch.float8_e4m3fn``; q_scale: ``[T, H_I]`` fp32 (``[T, H_I, 1]`` accepted).
-        k8: ``[S, 128]`` e4m3; k_scale: ``[S]`` fp32 (``[S, 1]`` accepted).
+        k8: ``[S, 128]`` e4m3; k_scale: ``[S]`` fp32 (``[S, 1]`` accepted; copied if its address is not
+            16-byte aligned).
         weights: ``[T, H_I]`` head weights. starts, ends: int ``[T]`` key windows, or ``None`` (all keys).
         relu: the indexer's ReLU. schedule: knobs of `indexer_fp8_kernel` (tuning and tests); none
             given: `dsa_ref.kernels.shapes.INDEXER_FP8_DEFAULT`, the persistent kernel.
@@ -262,6 +263,8 @@ def fp8_indexer_scores_tilelang(q8, q_scale, k8, k_scale, weights, *, starts=Non
         raise ValueError(f"fp8_indexer_scores_tilelang: q8 and k8 must be float8_e4m3fn, got {q8.dtype} and {k8.dtype}")
     q_scale = q_scale.reshape(T_, H).float().contiguous()
     k_scale = k_scale.reshape(S).float().contiguous()
+    if k_scale.data_ptr() % 16:  # the persistent kernel loads the scales by bulk-tensor copy: 16-byte aligned
+        k_scale = k_scale.clone()
     scores = torch.empty((T_, S), dtype=torch.float32, device=q8.device)  # the kernel writes every entry
     if T_ == 0 or S == 0:
         return scores

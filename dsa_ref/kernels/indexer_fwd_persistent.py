@@ -11,19 +11,25 @@ windows) never leaves the SM idle, and up to four consumer warpgroups share it:
   and the key scale (fp8) and **writes its scores itself** (``-inf`` outside each query's window):
   each thread sums its part of two keys' rows, and the four threads of a quad reduce-scatter those
   sums so that each ends with one (query, key) score to store; no score passes through shared memory.
-* **the streamer** (the last 128 threads): prepares the next query pair while the consumers work
-  on this one (its ``[2 H_I, D_I]`` queries by ``cp.async``, the weights times the query scales,
-  the windows and the pair's key-tile range, into the free one of two query buffers); keeps
-  ``stages`` key tiles of ``64 consumers`` keys in flight (bulk-tensor copies; the fp8 key scales
-  by ``cp.async`` beside them); and writes the ``-inf`` of the tiles no query of a pair can see.
+* **the loader** (the first warp of the last warpgroup): keeps ``stages`` key tiles of
+  ``64 consumers`` keys in flight. For each tile one elected thread issues the bulk-tensor copy of
+  the keys and, in fp8, that of their scales (a one-dimensional tensor map, which needs the scales
+  16-byte aligned; past the last key both come in as zeros), and arrives on the stage's barrier
+  with the bytes of both. It reads each pair's windows itself, a pair ahead.
+* **the preparers** (the other three warps, ``PREPARERS`` threads): while the consumers work on one
+  pair, prepare the next in the free one of two query buffers (its ``[2 H_I, D_I]`` queries by
+  ``cp.async``, the weights times the query scales, the windows and the pair's key-tile range),
+  then write the ``-inf`` of the keys neither query of the current pair can see.
 
-The streamer gives up registers to the consumers (``setmaxnreg``): two or three consumers keep
-their ``64`` fp32 accumulators and ``32`` head weights in registers; four (104 registers each) read
-the weights from shared memory instead. With ``pingpong`` two consumers (224 registers) keep two
-accumulators each and start the next tile's GEMM before the epilogue of this one, so each
-overlaps its own tensor-core work with its CUDA-core work. The key tile counter runs on across
-query pairs, so the pipeline never drains between them. Barriers: ``q_ready`` / ``q_free`` per
-query buffer, ``k_ready`` / ``k_free`` per key stage.
+The last warpgroup gives up registers to the consumers (``setmaxnreg`` acts on a whole warpgroup:
+the loader and the preparers keep 56 each): two or three consumers keep their ``64`` fp32
+accumulators and ``32`` head weights in registers; four (104 registers each) read the weights
+from shared memory instead. With ``pingpong`` two consumers (224 registers) keep two accumulators
+each and start the next tile's GEMM before the epilogue of this one, so each overlaps its own
+tensor-core work with its CUDA-core work. The key tile counter runs on across query pairs, so the
+pipeline never drains between them. Barriers: ``q_ready`` / ``q_free`` per query buffer (the
+preparers' copies and writes; the consumers' release), ``k_ready`` / ``k_free`` per key stage (the
+loader's one arrival with the stage's bytes; the consumers' release).
 """
 
 import functools
@@ -40,7 +46,8 @@ _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,  # the roles 
 BLOCK_Q = 2  # queries per pair: the GEMM's N = 2 H_I
 SUB = 64  # keys per consumer per stage: one warpgroup MMA's M
 NUM_SMS = 132  # resident blocks (H100 SXM and H200: 132 SMs); a grid larger than the SMs still runs
-STREAMER_REGS = 56  # registers a streamer thread keeps (setmaxnreg); the consumers share the rest
+STREAMER_REGS = 56  # registers a thread of the last warpgroup (loader, preparers) keeps; the consumers share the rest
+PREPARERS = 96  # threads of the preparers: the last warpgroup less its first warp, the loader
 
 
 def wgmma_layout(heads: int):
@@ -64,7 +71,7 @@ def stored_key(x):
 
 def consumer_regs(consumers: int) -> int:
     """Registers a consumer thread asks for (``setmaxnreg``): what the block holds from its launch
-    (``65536 / threads`` each, in steps of 8), less the streamer's, shared among the consumers, in
+    (``65536 / threads`` each, in steps of 8), less the last warpgroup's, shared among the consumers, in
     steps of 8: 224, 152, 104 for two, three, four consumers. Asking for more than the block holds
     would hang it (``setmaxnreg.inc`` waits for registers nobody frees)."""
     threads = 128 * (consumers + 1)
@@ -102,34 +109,42 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
     dtype = "float8_e4m3fn" if fp8 else "bfloat16"
     f32 = "float32"
     chunk = 16 // elem  # elements per 16-byte cp.async
-    q_chunks = BLOCK_Q * heads * dim // chunk // 128  # cp.async per streamer thread per query pair
+    q_chunks = (BLOCK_Q * heads * dim // chunk + PREPARERS - 1) // PREPARERS  # cp.async per preparer per query pair
 
     def pair_t0(bx, j, nqb, G):
         """First query of the ``j``-th pair of block ``bx``: pairs ``bx, bx + G, ...``, counted from the end."""
         return (nqb - 1 - (bx + j * G)) * BLOCK_Q
 
+    def pair_queries(t0):
+        """The two queries whose windows a pair at ``t0`` takes: a pair past the last query repeats it."""
+        return T.min(t0, num_q - 1), T.min(t0 + 1, num_q - 1)
+
+    def tile_range(start_a, end_a, start_b, end_b):
+        """``(first tile, tiles)``: the key tiles either of a pair's windows reaches."""
+        lo = T.min(T.min(start_a, start_b), num_kv)  # the keys either query can see
+        hi = T.max(T.max(end_a, end_b), 0)
+        return lo // block_n, T.max(T.ceildiv(hi, block_n), lo // block_n) - lo // block_n
+
     @T.macro
-    def prepare(p, t0, qb, Q, QS, W, Starts, Ends, q_s, w_s, meta_s, q_ready, q_free, parity, nxt_first, nxt_tiles):
-        """Streamer thread ``p``: the pair at ``t0`` into query buffer ``qb`` (``q_free`` waited with
-        ``parity``); ``meta_s[qb] = (start_0, end_0, start_1, end_1, first tile, tiles)``, and the
-        first tile and tile count in ``nxt_first``, ``nxt_tiles``. A pair past the last query
-        repeats it: its columns are computed and never stored."""
-        t_a = T.min(t0, num_q - 1)
-        t_b = T.min(t0 + 1, num_q - 1)
-        lo = T.min(T.min(Starts[t_a], Starts[t_b]), num_kv)  # the keys either query can see
-        hi = T.max(T.max(Ends[t_a], Ends[t_b]), 0)
-        nxt_first[0] = lo // block_n
-        nxt_tiles[0] = T.max(T.ceildiv(hi, block_n), lo // block_n) - lo // block_n
+    def prepare(q, t0, qb, Q, QS, W, Starts, Ends, q_s, w_s, meta_s, q_ready, q_free, parity, nxt_first, nxt_tiles):
+        """Preparer thread ``q`` (of ``PREPARERS``): the pair at ``t0`` into query buffer ``qb``
+        (``q_free`` waited with ``parity``); ``meta_s[qb] = (start_0, end_0, start_1, end_1, first
+        tile, tiles)``, and the first tile and tile count in ``nxt_first``, ``nxt_tiles``. A pair
+        past the last query repeats it: its columns are computed and never stored."""
+        t_a, t_b = pair_queries(t0)
+        nxt_first[0], nxt_tiles[0] = tile_range(Starts[t_a], Ends[t_a], Starts[t_b], Ends[t_b])
         T.barrier_wait(q_free[qb], parity)
-        for u in T.unroll(q_chunks):
-            r = (u * 128 + p) // (dim // chunk)  # row qi * H_I + h of the buffer
-            col = ((u * 128 + p) % (dim // chunk)) * chunk
-            T.ptx_cp_async(T.access_ptr(q_s[qb, r, col], "w", chunk),
-                           T.access_ptr(Q[T.min(t0 + r // heads, num_q - 1), r % heads, col], "r", chunk),
-                           chunk)
+        for u in T.unroll(q_chunks, annotations={"pragma_unroll_factor": 1}):  # (unrolled, 56 registers spill)
+            i = u * PREPARERS + q  # chunk i of the buffer
+            if i < BLOCK_Q * heads * dim // chunk:
+                r = i // (dim // chunk)  # row qi * H_I + h of the buffer
+                col = (i % (dim // chunk)) * chunk
+                T.ptx_cp_async(T.access_ptr(q_s[qb, r, col], "w", chunk),
+                               T.access_ptr(Q[T.min(t0 + r // heads, num_q - 1), r % heads, col], "r", chunk),
+                               chunk)
         T.cp_async_barrier_noinc(q_ready[qb])  # arrives once this thread's copies have landed
-        for u in T.unroll((BLOCK_Q * heads + 127) // 128):  # the weights (times the query scales)
-            i = u * 128 + p
+        for u in T.unroll((BLOCK_Q * heads + PREPARERS - 1) // PREPARERS):  # the weights (times the query scales)
+            i = u * PREPARERS + q
             if i < BLOCK_Q * heads:
                 t = T.min(t0 + i // heads, num_q - 1)
                 if fp8:
@@ -137,7 +152,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
                                                                    W[t, i % heads] * QS[t, i % heads], 0)
                 else:
                     w_s[qb, i // heads, i % heads] = T.if_then_else(t0 + i // heads < num_q, W[t, i % heads], 0)
-        if p == 0:
+        if q == 0:
             meta_s[qb, 0] = Starts[t_a]
             meta_s[qb, 1] = Ends[t_a]
             meta_s[qb, 2] = Starts[t_b]
@@ -147,48 +162,74 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
         T.barrier_arrive(q_ready[qb])  # (a plain arrive releases the weights and windows written above)
 
     @T.macro
-    def load_tile(p, it, s0, K, KS, k_s, ks_s, k_ready, k_free):
-        """Streamer: key tile ``it`` (keys ``s0 ...``) into stage ``it % stages`` once it is free."""
-        stage = it[0] % stages
-        T.barrier_wait(k_free[stage], ((it[0] // stages) & 1) ^ 1)
-        T.tma_copy(K[s0:s0 + block_n, :], k_s[stage, :, :], barrier=k_ready[stage])  # rows past S: zeros
-        if fp8:
-            for u in T.unroll(T.ceildiv(block_n, 128)):  # (three consumers: 192 keys, 1.5 per thread)
-                if u * 128 + p < block_n and s0 + u * 128 + p < num_kv:
-                    T.ptx_cp_async(T.access_ptr(ks_s[stage, u * 128 + p], "w", 1),
-                                   T.access_ptr(KS[s0 + u * 128 + p], "r", 1), 1)
-            T.cp_async_barrier_noinc(k_ready[stage])
-        else:
-            T.barrier_arrive(k_ready[stage])
+    def fill_outside(q, t0, first, tiles, Scores):
+        """Preparer thread ``q``: ``-inf`` in both rows of the pair at ``t0`` for the keys before its
+        first tile and from the end of its last one (the tiles no query of the pair can see)."""
+        left = T.min(first[0] * block_n, num_kv)  # keys 0 ... left - 1
+        right = T.min((first[0] + tiles[0]) * block_n, num_kv)  # keys right ... num_kv - 1
+        for u in T.serial(T.ceildiv(left, PREPARERS)):
+            if u * PREPARERS + q < left:
+                for qi in T.unroll(BLOCK_Q):
+                    if t0 + qi < num_q:
+                        Scores[t0 + qi, u * PREPARERS + q] = -T.infinity(f32)
+        for u in T.serial(T.ceildiv(num_kv - right, PREPARERS)):
+            if right + u * PREPARERS + q < num_kv:
+                for qi in T.unroll(BLOCK_Q):
+                    if t0 + qi < num_q:
+                        Scores[t0 + qi, right + u * PREPARERS + q] = -T.infinity(f32)
 
     @T.macro
-    def stream(p, bx, nqb, G, n_pairs, Q, QS, K, KS, W, Starts, Ends, Scores, q_s, w_s, meta_s, k_s, ks_s,
-               q_ready, q_free, k_ready, k_free, it, first, tiles, nxt_first, nxt_tiles):
-        """The streamer warpgroup (thread ``p`` of 128) over the block's pairs."""
+    def prepare_all(q, bx, nqb, G, n_pairs, Q, QS, W, Starts, Ends, Scores, q_s, w_s, meta_s, q_ready, q_free,
+                    first, tiles, nxt_first, nxt_tiles):
+        """The preparers (thread ``q`` of ``PREPARERS``) over the block's pairs: pair ``j + 1`` into
+        its buffer once the consumers are done with pair ``j - 1``, then the ``-inf`` of pair ``j``."""
         args_q = (Q, QS, W, Starts, Ends, q_s, w_s, meta_s, q_ready, q_free)
-        prepare(p, pair_t0(bx, 0, nqb, G), 0, *args_q, 1, nxt_first, nxt_tiles)
-        it[0] = 0
+        prepare(q, pair_t0(bx, 0, nqb, G), 0, *args_q, 1, nxt_first, nxt_tiles)
         for j in T.serial(n_pairs):
-            qb = j % 2
-            t0 = pair_t0(bx, j, nqb, G)
             first[0] = nxt_first[0]
             tiles[0] = nxt_tiles[0]
-            for kt in T.serial(tiles[0]):
-                load_tile(p, it, (first[0] + kt) * block_n, K, KS, k_s, ks_s, k_ready, k_free)
-                it[0] = it[0] + 1
-                # the next pair once this one's first tiles are in flight: its buffer is free when
-                # the consumers finish the previous pair, which is then at most `stages` tiles away
-                if kt == T.min(stages, tiles[0]) - 1 and j + 1 < n_pairs:
-                    prepare(p, pair_t0(bx, j + 1, nqb, G), 1 - qb, *args_q, (((j + 1) // 2) & 1) ^ 1,
-                            nxt_first, nxt_tiles)
-            if tiles[0] == 0 and j + 1 < n_pairs:
-                prepare(p, pair_t0(bx, j + 1, nqb, G), 1 - qb, *args_q, (((j + 1) // 2) & 1) ^ 1,
+            if j + 1 < n_pairs:
+                prepare(q, pair_t0(bx, j + 1, nqb, G), 1 - j % 2, *args_q, (((j + 1) // 2) & 1) ^ 1,
                         nxt_first, nxt_tiles)
-            for kt in T.serial(T.ceildiv(num_kv, block_n)):  # the tiles no query of the pair can see
-                if kt < first[0] or kt >= first[0] + tiles[0]:
-                    for qi, n in T.Parallel(BLOCK_Q, block_n):
-                        if t0 + qi < num_q and kt * block_n + n < num_kv:
-                            Scores[t0 + qi, kt * block_n + n] = -T.infinity(f32)
+            fill_outside(q, pair_t0(bx, j, nqb, G), first, tiles, Scores)
+        T.ptx_commit_group()  # (the last pair's queries land before the thread exits)
+        T.ptx_wait_group(0)
+
+    @T.macro
+    def fetch_windows(t0, Starts, Ends, win_n):
+        """The loader: the windows of the pair at ``t0`` into ``win_n`` (used a pair later)."""
+        t_a, t_b = pair_queries(t0)
+        win_n[0] = Starts[t_a]
+        win_n[1] = Ends[t_a]
+        win_n[2] = Starts[t_b]
+        win_n[3] = Ends[t_b]
+
+    @T.macro
+    def load_tile(it, s0, K, KS, k_s, ks_s, k_ready, k_free):
+        """The loader warp: key tile ``it`` (keys ``s0 ...``) into stage ``it % stages`` once it is
+        free. One elected thread (the same lane for both copies: ``elect.sync`` picks it
+        deterministically) adds each copy's bytes to the stage's barrier and issues it, and arrives
+        after the last one, so the stage completes when both have landed."""
+        stage = it[0] % stages
+        T.barrier_wait(k_free[stage], ((it[0] // stages) & 1) ^ 1)
+        T.tma_copy(K[s0:s0 + block_n, :], k_s[stage, :, :], barrier=k_ready[stage],  # rows past S: zeros
+                   leader_scope_threads=32, annotations={"emit_arrive": T.int32(0 if fp8 else 1)})
+        if fp8:  # the tile's key scales (past S: zeros)
+            T.tma_copy(KS[s0:s0 + block_n], ks_s[stage, :], barrier=k_ready[stage], leader_scope_threads=32,
+                       annotations={"emit_arrive": T.int32(1)})
+
+    @T.macro
+    def load_all(bx, nqb, G, n_pairs, K, KS, Starts, Ends, k_s, ks_s, k_ready, k_free, it, first, tiles, win_n):
+        """The loader warp over the block's pairs: every key tile of each, the tile counter running on."""
+        fetch_windows(pair_t0(bx, 0, nqb, G), Starts, Ends, win_n)
+        it[0] = 0
+        for j in T.serial(n_pairs):
+            first[0], tiles[0] = tile_range(win_n[0], win_n[1], win_n[2], win_n[3])
+            if j + 1 < n_pairs:  # the next pair's windows, read while this pair's tiles go out
+                fetch_windows(pair_t0(bx, j + 1, nqb, G), Starts, Ends, win_n)
+            for kt in T.serial(tiles[0]):
+                load_tile(it, (first[0] + kt) * block_n, K, KS, k_s, ks_s, k_ready, k_free)
+                it[0] = it[0] + 1
 
     @T.macro
     def issue(c, it_n, qb, k_s, q_s, logits, k_ready, asynchronous):
@@ -313,7 +354,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
         with T.Kernel(G, threads=128 * (consumers + 1)) as bx:
             q_s = T.alloc_shared((2, BLOCK_Q * heads, dim), dtype)  # query qi's heads on rows qi*H_I ...
             k_s = T.alloc_shared((stages, block_n, dim), dtype)
-            ks_s = T.alloc_shared((stages, block_n), f32, scope="shared")  # fp8: the keys' scales
+            ks_s = T.alloc_shared((stages, block_n), f32)  # fp8: the keys' scales (a bulk-copy target: aligned)
             w_s = T.alloc_shared((2, BLOCK_Q, heads), f32, scope="shared")
             meta_s = T.alloc_shared((2, 8), "int32", scope="shared")
             logits = [T.alloc_fragment((SUB, BLOCK_Q * heads), f32) for _ in range(consumers)]  # [keys, (q, h)]
@@ -328,15 +369,16 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
             win = T.alloc_local((2 * BLOCK_Q,), "int32")
             # the accumulators keep the warpgroup MMA's register layout, which `epilogue` reads per thread
             T.annotate_layout({acc: wgmma_layout(heads) for acc in logits + logits_b if acc is not None})
-            q_ready = T.alloc_barrier(arrive_count=[256, 256])  # cp.async arrivals + plain ones
+            q_ready = T.alloc_barrier(arrive_count=[2 * PREPARERS] * 2)  # the preparers' cp.async arrivals + plain ones
             q_free = T.alloc_barrier(arrive_count=[128 * consumers] * 2)
-            k_ready = T.alloc_barrier(arrive_count=[128] * stages)
+            k_ready = T.alloc_barrier(arrive_count=[1] * stages)  # the loader's one arrival (and the stage's bytes)
             k_free = T.alloc_barrier(arrive_count=[128 * consumers] * stages)
             it = T.alloc_local((1,), "int32")
             first = T.alloc_local((1,), "int32")
             tiles = T.alloc_local((1,), "int32")
-            nxt_first = T.alloc_local((1,), "int32")  # the streamer's: the next pair's
+            nxt_first = T.alloc_local((1,), "int32")  # the preparers': the next pair's
             nxt_tiles = T.alloc_local((1,), "int32")
+            win_n = T.alloc_local((2 * BLOCK_Q,), "int32")  # the loader's: the next pair's windows
             tx = T.get_thread_binding()
             n_pairs = T.ceildiv(nqb - bx, G)
 
@@ -358,10 +400,14 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
                         consume(2, *common, logits[2], logits_b[2], part[2], row[2], ks_f[2], w_f[2], win, *bars)
                     else:
                         consume(3, *common, logits[3], logits_b[3], part[3], row[3], ks_f[3], w_f[3], win, *bars)
-            else:
+            else:  # the last warpgroup: the loader warp, then the preparers
                 T.set_max_nreg(STREAMER_REGS, 0)
-                stream(tx - 128 * consumers, bx, nqb, G, n_pairs, Q, QS, K, KS, W, Starts, Ends, Scores, q_s, w_s,
-                       meta_s, k_s, ks_s, *bars, nxt_first, nxt_tiles)
+                if tx < 128 * consumers + 32:
+                    load_all(bx, nqb, G, n_pairs, K, KS, Starts, Ends, k_s, ks_s, k_ready, k_free, it, first, tiles,
+                             win_n)
+                else:
+                    prepare_all(tx - 128 * consumers - 32, bx, nqb, G, n_pairs, Q, QS, W, Starts, Ends, Scores, q_s,
+                                w_s, meta_s, q_ready, q_free, first, tiles, nxt_first, nxt_tiles)
 
     return tilelang.compile(score_prim_func(body, heads, dim, fp8, num_q, num_kv), pass_configs=_PASS,
                             target=compile_target())

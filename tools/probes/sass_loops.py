@@ -16,7 +16,7 @@ disassembles it. Needs TileLang, the CUDA toolkit's ``nvcc``, and ``cuobjdump`` 
 A loop is a backward branch inside a function's code; the stubs after its last ``EXIT`` (the
 retry loops of barrier waits) are left out. Its length is static: every instruction between the
 branch target and the branch, on all paths through the body (a branch that skips part of the body
-on most passes, as the persistent indexer's streamer does at a pair boundary, counts it anyway).
+on most passes, as the branches of a pair boundary do, counts it anyway).
 Nested loops are listed each on its own, so an outer loop's length includes its inner ones. Counts
 are per warp and per pass: a warp-specialised kernel's roles are separate loops (find them by their
 instruction mix).
