@@ -46,7 +46,7 @@ _PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,  # the roles 
 BLOCK_Q = 2  # queries per pair: the GEMM's N = 2 H_I
 SUB = 64  # keys per consumer per stage: one warpgroup MMA's M
 NUM_SMS = 132  # resident blocks (H100 SXM and H200: 132 SMs); a grid larger than the SMs still runs
-STREAMER_REGS = 56  # registers a thread of the last warpgroup (loader, preparers) keeps; the consumers share the rest
+LAST_WARPGROUP_REGS = 56  # registers a thread of the last warpgroup (loader, preparers) keeps; the consumers share the rest
 PREPARERS = 96  # threads of the preparers: the last warpgroup less its first warp, the loader
 
 
@@ -76,7 +76,7 @@ def consumer_regs(consumers: int) -> int:
     would hang it (``setmaxnreg.inc`` waits for registers nobody frees)."""
     threads = 128 * (consumers + 1)
     launch = 65536 // threads // 8 * 8  # 168, 128, 96
-    return (launch * threads - 128 * STREAMER_REGS) // (128 * consumers) // 8 * 8
+    return (launch * threads - 128 * LAST_WARPGROUP_REGS) // (128 * consumers) // 8 * 8
 
 
 # --8<-- [start:indexer_persistent_kernel]
@@ -401,7 +401,7 @@ def indexer_persistent_kernel(heads: int, dim: int, relu: bool = True, *, fp8: b
                     else:
                         consume(3, *common, logits[3], logits_b[3], part[3], row[3], ks_f[3], w_f[3], win, *bars)
             else:  # the last warpgroup: the loader warp, then the preparers
-                T.set_max_nreg(STREAMER_REGS, 0)
+                T.set_max_nreg(LAST_WARPGROUP_REGS, 0)
                 if tx < 128 * consumers + 32:
                     load_all(bx, nqb, G, n_pairs, K, KS, Starts, Ends, k_s, ks_s, k_ready, k_free, it, first, tiles,
                              win_n)
