@@ -24,7 +24,7 @@ def test_staggered_forward_protocol_holds(pairs):
         assert models.run(pairs, seed)
 
 
-@pytest.mark.parametrize("mutation", ["flags_late", "no_p_sync", "free_early"])
+@pytest.mark.parametrize("mutation", ["count_early", "flags_late", "no_p_sync", "free_early"])
 def test_staggered_forward_model_catches_broken_protocols(mutation):
     caught = 0
     for seed in range(50):

@@ -307,6 +307,25 @@ def test_dispatch_auto_uses_the_kernel_and_falls_back():
         dispatch.sparse_mla(q.float(), kv.float(), idx, sm_scale=SM_SCALE, d_v=DIM_V, backend="tilelang")
 
 
+def test_forward_staggered_counts_its_pairs_over_every_slot():
+    """The staggered kernel counts each row's pairs of 64-slot blocks itself, 2048 slots at a time:
+    a row's last valid slot may lie in any pair of either chunk (at a pair's first or last slot, on
+    either side of slot 2048), after whole pairs of ``-1`` slots. A count one pair short would drop
+    that slot's row from the output; every row must match the float64 reference."""
+    T, S, H, K = 64, 3000, 128, 2500  # 2500 slots: padded to 2560, 20 pairs in two chunks
+    q, kv = _inputs(T, S, H, seed=5)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    idx = torch.randint(0, S, (T, K), generator=g)
+    last = torch.tensor([0, 1, 63, 64, 127, 128, 129, 1023, 1024, 2047, 2048, 2049, 2175, 2176, 2431, 2499])
+    last = torch.cat([last, torch.randint(0, K, (T - last.numel(),), generator=g)])  # [T]
+    slot = torch.arange(K)[None]  # [1, K]
+    keep = (slot <= last[:, None]) & ((slot // 128) % 3 != 1)  # whole -1 pairs between valid ones ...
+    keep |= slot == last[:, None]  # ... and the last valid slot itself
+    idx = torch.where(keep, idx, -1).cuda()  # [T, K] int64
+    _check_forward(q, kv, idx, "staggered")
+    _check_forward(q, kv, idx.to(torch.int32), "staggered")
+
+
 @pytest.mark.parametrize("schedule", ["simple", "warp_specialized", "staggered"])
 def test_trailing_minus_one_blocks_are_skipped_and_any_k_works(schedule):
     """Rows visit only their blocks up to the last valid slot; K need not be a compile-time size.

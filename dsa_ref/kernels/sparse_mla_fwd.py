@@ -22,8 +22,9 @@ Three schedules of the same math:
 * `staggered_kernel` -- FlashMLA's SM90 scheme: the two consumers each own a 64-row block of a pair
   and half of the value columns, exchange their maxima and probabilities through shared memory, and
   overlap one block's exponentials with the other's matrix products. The default
-  (``schedule="auto"``) wherever it applies: on an H100, 2 % slower than FlashMLA's own kernel at
-  4096 x 8192 and level with it at 16384 x 16384 in the same process (docs, chapter 5).
+  (``schedule="auto"``) wherever it applies: on an H100, the public call runs at 0.97-0.98x
+  FlashMLA's speed at 4096 x 8192 and 1.00-1.02x at 16384 x 16384, in the same process (docs,
+  chapter 5).
 
 Conventions at this boundary: indices int32 (int64 too for the staggered kernel), ``-1`` = unused
 slot, natural-log LSE, rows with no valid slot give ``out = 0`` and ``lse = -inf``. An unused slot
@@ -35,8 +36,9 @@ reading ``KV``. No gather reads outside ``KV`` for an index out of range (the wr
 after the launch): the simple and staggered kernels clamp the row into ``KV``, the
 warp-specialised one's copies are guarded by TileLang. ``K`` must be a multiple of 64 (the wrapper
 pads with ``-1``). ``K`` is not a compile-time constant: one compiled kernel serves every top-k.
-Each row visits only its blocks up to the last valid slot (``NumBlocks``), so the ``-1`` padding of
-short windows (early queries of a causal sequence) costs nothing.
+Each row visits only its blocks up to the last valid slot (``NumBlocks``, which the staggered kernel
+counts itself), so the ``-1`` padding of short windows (early queries of a causal sequence) costs
+nothing.
 """
 
 
@@ -56,6 +58,7 @@ def zero_row_or(row, num_rows):
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_I = 64  # selected rows per step
+COUNT_CHUNK = 256 * 8  # the staggered kernel's count: 8 slots per consumer thread at a time
 P_READY = 8  # the staggered kernel's named barriers 8 and 9 (TileLang's own syncs use lower ids)
 OWN_SYNC = 3  # and 3 + c: consumer c's 128 threads (the staggered kernel writes its syncs out)
 
@@ -395,13 +398,51 @@ def gather_halves(p, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_fr
         copy_half(p, it, 1, 0, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready, num_kv, half)
 
 
+@T.macro
+def count_pairs(c, t, Indices, count_s, count_ready, last, largest):
+    """Consumer thread ``c`` of 256 at the start of `staggered_kernel`: how many pairs of 64-slot
+    blocks reach the last valid slot of query ``t``, so that the trailing ``-1`` pairs of a short
+    causal window are never gathered or computed (the other kernels take this count from the wrapper,
+    `dsa_ref.kernels.autograd._block_counts`, a pass of its own over ``Indices``).
+
+    Each thread reads 8 consecutive slots of every 2048 (one pair is 128 slots: 16 threads), notes
+    the highest pair that holds a valid one, and the warp's maximum goes to ``count_s``; the
+    producer and both consumers read the 8 warps' values after ``count_ready``. The loads overlap
+    the wait for ``Q``, and they bring the row into the L1 cache for the producer's own reads."""
+    topk = Indices.shape[1]
+    last[0] = 0
+    for chunk in T.serial(T.ceildiv(topk, COUNT_CHUNK)):
+        slot = chunk * COUNT_CHUNK + c * 8  # topk is a multiple of 128: all 8 slots are in or out
+        if slot < topk:
+            largest[0] = Indices[t, slot]
+            for e in T.unroll(1, 8):
+                largest[0] = T.max(largest[0], Indices[t, slot + e])
+            if largest[0] >= 0:
+                last[0] = slot // (2 * BLOCK_I) + 1
+    last[0] = T.warp_reduce_max(last[0])
+    if c % 32 == 0:
+        count_s[c // 32] = last[0]
+    T.barrier_arrive(count_ready)
+
+
+@T.macro
+def read_count(count_s, count_ready, n_pairs):
+    """``n_pairs[0]``: the largest of the consumers' 8 warp maxima (see `count_pairs`)."""
+    T.barrier_wait(count_ready, 0)
+    n_pairs[0] = count_s[0]
+    for w in T.unroll(1, 8):
+        n_pairs[0] = T.max(n_pairs[0], count_s[w])
+
+
 @functools.lru_cache(maxsize=None)
 def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dtype: str = "int32"):
     """Compile the staggered sparse MLA forward (64 heads per block; FlashMLA's SM90 scheme).
 
-    Arguments as for `warp_specialized_kernel` (``K`` a multiple of 128, ``NumBlocks`` counts pairs
-    of 64-slot blocks), except that ``Indices`` may also be int64 (``index_dtype``), as
-    `dsa_ref.topk_indices` returns them: the wrapper then passes them without an int32 copy.
+    Arguments as for `warp_specialized_kernel` (``K`` a multiple of 128), except that there is no
+    ``NumBlocks``: the consumers count each row's pairs of 64-slot blocks themselves while ``Q``
+    loads (`count_pairs`), which saves the wrapper's pass over the indices; and ``Indices`` may also
+    be int64 (``index_dtype``), as `dsa_ref.topk_indices` returns them: the wrapper then passes them
+    without an int32 copy.
 
     Each pair's blocks sit in two stages; consumer ``c`` computes ``S_c = Q K_c^T`` of stage ``c``
     and one half of the output, ``O_L`` (consumer 0) or ``O_R`` (consumer 1), from *both* blocks:
@@ -422,8 +463,9 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
 
     Barriers: ``kv_ready`` / ``kv_free`` per half-stage (producer <-> its consumers), ``max_ready[c]``
     (consumer ``c``'s maximum in ``max_s[c]``), the named barrier ``P_READY + c`` (its ``P`` in shared memory),
-    ``l_ready`` (the row sums at the end). Conventions, garbage and ``-1`` handling as in
-    `warp_specialized_kernel`.
+    ``l_ready`` (the row sums at the end), ``count_ready`` (the pair count in ``count_s``, at the
+    start). Conventions, garbage and ``-1`` handling as in `warp_specialized_kernel`; the output is
+    divided by the row sum as one reciprocal per row and a product per element.
     """
     hb, per_query = head_blocking(heads)
     if hb != 64:
@@ -446,12 +488,11 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
 
     @T.prim_func
     def main(Q: T.Tensor((num_q, heads, dim), bf16), KV: T.Tensor((num_kv, dim), bf16),
-             Indices: T.Tensor((num_q, topk), index_dtype), NumBlocks: T.Tensor((num_q,), "int32"),
+             Indices: T.Tensor((num_q, topk), index_dtype),
              Out: T.Tensor((num_q, heads, dim_v), bf16), Lse: T.Tensor((num_q, heads), f32)):
         with T.Kernel(num_q * per_query, threads=384) as bx:
             t = bx // per_query
             h0 = (bx % per_query) * hb
-            n_pairs = NumBlocks[t]
             q_s = T.alloc_shared((hb, dim), bf16)
             o_s = q_s  # Q is dead after the last S: the output is staged in its place
             kv_s = T.alloc_shared((2, BLOCK_I, dim_v), bf16)  # stage 0: even blocks, stage 1: odd blocks
@@ -465,14 +506,18 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
             p0 = T.alloc_fragment((hb, BLOCK_I), bf16)  # P_0 as the A operand of its product
             o0 = T.alloc_fragment((hb, half), f32)  # O_L
             m0, m0_prev, m0_pair = (T.alloc_fragment((hb,), f32) for _ in range(3))
-            l0, l0_blk, alpha0, f0 = (T.alloc_fragment((hb,), f32) for _ in range(4))
+            l0, l0_blk, alpha0, f0, inv0 = (T.alloc_fragment((hb,), f32) for _ in range(5))
             # consumer 1's registers
             s1 = T.alloc_fragment((hb, BLOCK_I), f32)  # S_1, then P_1
             p1 = T.alloc_fragment((hb, BLOCK_I), bf16)
             o1 = T.alloc_fragment((hb, half), f32)  # O_R
             m1, m1_prev, m1_peer = (T.alloc_fragment((hb,), f32) for _ in range(3))
-            l1, l1_blk, alpha1 = (T.alloc_fragment((hb,), f32) for _ in range(3))
+            l1, l1_blk, alpha1, inv1 = (T.alloc_fragment((hb,), f32) for _ in range(4))
             rows = T.alloc_local((2, BLOCK_I // 16), "int32")  # the producer's rows of a pair
+            count_s = T.alloc_shared((8,), "int32", scope="shared")  # each consumer warp's pair count
+            last = T.alloc_local((1,), "int32")  # a thread's count, then its warp's
+            largest = T.alloc_local((1,), index_dtype)  # the largest index of 8 slots
+            n_pairs = T.alloc_local((1,), "int32")  # the pairs this query visits
 
             q_ready = T.alloc_barrier(arrive_count=384)
             kv_ready = T.alloc_barrier(arrive_count=[128, 128, 128, 128])  # stage 0 L, 0 R, 1 L, 1 R
@@ -481,6 +526,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
             # P_c in shared memory: named barriers P_READY + c (one consumer arrives, the other syncs;
             # neither can arrive twice before the other has synced, see the ``max_ready`` exchange)
             l_ready = T.alloc_barrier(arrive_count=256)
+            count_ready = T.alloc_barrier(arrive_count=256)  # count_s is written
 
             tx = T.get_thread_binding()
             T.import_source(_CP_ASYNC_ZFILL)
@@ -489,18 +535,20 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
 
             if tx < 128:  # consumer 0: S_0, P_0, O_L
                 T.set_max_nreg(216, 1)
+                count_pairs(tx, t, Indices, count_s, count_ready, last, largest)
                 T.fill(l0, 0)
                 T.fill(m0, NEG)
                 T.fill(o0, 0)
+                read_count(count_s, count_ready, n_pairs)
                 T.barrier_wait(q_ready, 0)
-                if n_pairs > 0:  # the first pair's S_0; the later ones are issued at the end of a pair
+                if n_pairs[0] > 0:  # the first pair's S_0; the later ones are issued at the end of a pair
                     T.barrier_wait(kv_ready[0], 0)
                     init_scores(s0, valid_s, 0)
                     T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
                     T.barrier_wait(kv_ready[1], 0)
                     T.wgmma_gemm(q_s[:, half:dim_v], kv_s[0, :, half:], s0, transpose_B=True)
                     T.wgmma_gemm(q_s[:, dim_v:], rope_s[0], s0, transpose_B=True)
-                for it in T.serial(n_pairs):
+                for it in T.serial(n_pairs[0]):
                     T.wait_wgmma(0)  # S_0 of this pair
                     # P_0 with consumer 0's own maximum; the maximum goes to consumer 1
                     T.copy(m0, m0_prev)
@@ -538,7 +586,7 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                     T.copy(m0_pair, m0)
                     T.sync_threads(P_READY + 1, 256)  # P_1 is in shared memory
                     T.wgmma_gemm(p1_s, kv_s[1, :, :half], o0)  # O_L += P_1 V_1,L
-                    if it + 1 < n_pairs:  # the next S_0 while that product runs
+                    if it + 1 < n_pairs[0]:  # the next S_0 while that product runs
                         T.barrier_wait(kv_ready[0], (it + 1) & 1)
                         init_scores(s0, valid_s, 0)
                         T.wgmma_gemm(q_s[:, :half], kv_s[0, :, :half], s0, transpose_B=True)
@@ -555,8 +603,9 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                 T.barrier_wait(l_ready, 0)
                 for h in T.Parallel(hb):
                     l0[h] = l0[h] + l_s[1, h]
+                    inv0[h] = 1 / l0[h]  # one reciprocal per row, not one per element
                 for h, d in T.Parallel(hb, half):
-                    o0[h, d] = T.if_then_else(l0[h] > 0, o0[h, d] / l0[h], 0)
+                    o0[h, d] = T.if_then_else(l0[h] > 0, o0[h, d] * inv0[h], 0)
                 T.copy(o0, o_s[:, :half])
                 T.sync_threads(OWN_SYNC, 128)  # O_L in shared memory before its bulk store
                 T.copy(o_s[:, :half], Out[t, h0:h0 + hb, :half])
@@ -565,11 +614,13 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                 T.copy(l0, Lse[t, h0:h0 + hb])
             elif tx < 256:  # consumer 1: S_1, P_1, O_R
                 T.set_max_nreg(216, 1)
+                count_pairs(tx, t, Indices, count_s, count_ready, last, largest)
                 T.fill(l1, 0)
                 T.fill(m1, NEG)
                 T.fill(o1, 0)
+                read_count(count_s, count_ready, n_pairs)
                 T.barrier_wait(q_ready, 0)
-                for it in T.serial(n_pairs):
+                for it in T.serial(n_pairs[0]):
                     T.barrier_wait(kv_ready[3], it & 1)  # stage 1 R first, as the producer fills it
                     init_scores(s1, valid_s, 1)
                     T.wgmma_gemm(q_s[:, half:dim_v], kv_s[1, :, half:], s1, transpose_B=True)
@@ -611,15 +662,17 @@ def staggered_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, index_dt
                 T.barrier_wait(l_ready, 0)
                 for h in T.Parallel(hb):
                     l1[h] = l1[h] + l_s[0, h]
+                    inv1[h] = 1 / l1[h]  # one reciprocal per row, not one per element
                 for h, d in T.Parallel(hb, half):
-                    o1[h, d] = T.if_then_else(l1[h] > 0, o1[h, d] / l1[h], 0)
+                    o1[h, d] = T.if_then_else(l1[h] > 0, o1[h, d] * inv1[h], 0)
                 T.copy(o1, o_s[:, half:dim_v])
                 T.sync_threads(OWN_SYNC + 1, 128)  # O_R in shared memory before its bulk store
                 T.copy(o_s[:, half:dim_v], Out[t, h0:h0 + hb, half:dim_v])
             else:  # producer
                 T.set_max_nreg(72, 0)
-                gather_halves(tx - 256, t, n_pairs, Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready,
+                read_count(count_s, count_ready, n_pairs)
+                gather_halves(tx - 256, t, n_pairs[0], Indices, KV, kv_s, rope_s, valid_s, rows, kv_free, kv_ready,
                               num_kv, half)
 
-    return tilelang.compile(main, out_idx=[4, 5], pass_configs=_PASS_STAGGERED, target=compile_target())
+    return tilelang.compile(main, out_idx=[3, 4], pass_configs=_PASS_STAGGERED, target=compile_target())
 # --8<-- [end:staggered_kernel]

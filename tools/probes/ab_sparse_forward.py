@@ -6,11 +6,12 @@
 
 Every kernel runs in one process on the same inputs (bench_kernels' causal top-2048 at each shape), the
 kernel alone on the wrapper's prepared operands (int32 indices padded to 128 slots, the zero row
-appended, the block counts), in GPU time (work queued ahead, median of 30), in two alternating rounds;
+appended, and the block counts for versions that take them; ``NAME_counted`` times such a version with
+the count pass included, as a kernel that counts inside is timed), in GPU time (work queued ahead, median of 30), in two alternating rounds;
 FlashMLA's sparse prefill (``--peers``, as `benchmarks/bench_peers.py` loads it) runs on the same
 inputs in its own layout, and ``public`` is this tree's public call on the benchmark's int64
 indices (`sparse_mla_tilelang(..., validate=False)`: the padding, the zero row and the block counts
-included). Every round also times each entry back to back (30 calls queued one after another, the
+included), ``public_int32`` the same call on those indices made int32 beforehand. Every round also times each entry back to back (30 calls queued one after another, the
 mean; `bench_peers.back_to_back_ms`). Each row records the times, the TFLOP/s of the faster round,
 each entry's speed against this tree's kernel, whether a variant's ``out`` and ``lse`` equal
 this tree's bit for bit, and (with ``--peers``) FlashMLA's time over the public call's in each round,
@@ -39,6 +40,15 @@ def load_file(name: str, path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def staggered_call(mod, q, kv0, idx, counts):
+    """The module's staggered kernel on the prepared operands. Versions with ``COUNT_CHUNK`` count each
+    row's pairs inside the kernel; older ones take the wrapper's block counts as a fourth input."""
+    kernel = mod.staggered_kernel(H, DIM, DIM_V, SM_SCALE)
+    if hasattr(mod, "COUNT_CHUNK"):
+        return lambda: kernel(q, kv0, idx)
+    return lambda: kernel(q, kv0, idx, counts)
 
 
 def main() -> int:
@@ -70,9 +80,15 @@ def main() -> int:
         kv0 = with_zero_row(kv)  # [S + 1, D]
         idx = _pad_indices(indices, 2 * tree.BLOCK_I)  # [T, K'] int32
         counts = _block_counts(idx, 2 * tree.BLOCK_I)
-        runs = {name: (lambda k=mod.staggered_kernel(H, DIM, DIM_V, SM_SCALE): k(q, kv0, idx, counts))
-                for name, mod in modules.items()}
+        runs = {name: staggered_call(mod, q, kv0, idx, counts) for name, mod in modules.items()}
+        for name, mod in modules.items():  # and with the wrapper's count pass, where it needs one
+            if not hasattr(mod, "COUNT_CHUNK"):
+                kernel = mod.staggered_kernel(H, DIM, DIM_V, SM_SCALE)
+                runs[f"{name}_counted"] = lambda k=kernel: k(q, kv0, idx, _block_counts(idx, 2 * tree.BLOCK_I))
         runs["public"] = lambda: sparse_mla_tilelang(q, kv, indices, sm_scale=SM_SCALE, d_v=DIM_V, validate=False)
+        indices32 = indices.to(torch.int32)  # [T, K]: the public call on int32 indices, as FlashMLA takes them
+        runs["public_int32"] = lambda: sparse_mla_tilelang(q, kv, indices32, sm_scale=SM_SCALE, d_v=DIM_V,
+                                                           validate=False)
         if flashmla is not None:
             kv3, idx3 = kv[:, None, :].contiguous(), indices.to(torch.int32)[:, None, :].contiguous()
             runs["flashmla"] = lambda: flashmla.sparse_prefill_fwd(q, kv3, idx3, SM_SCALE, DIM_V, None, None)

@@ -14,8 +14,9 @@ on a read of a buffer that holds other data, on a write while a read (an issued,
 waited-for tensor-core product) is in flight, on a warpgroup arriving twice at a named barrier in
 one generation, and (fp8 indexer) on both consumers on the tensor cores at once. Each warpgroup's
 128 arrivals count as one here. Broken protocols are caught (the staggered forward's are run at the
-end: flags read after their half is handed back, ``P_0`` read without its named barrier, a half
-handed back before its last product is waited for); `tests/test_barrier_models.py` runs both models.
+end: the pair count read before it is written, flags read after their half is handed back, ``P_0``
+read without its named barrier, a half handed back before its last product is waited for);
+`tests/test_barrier_models.py` runs both models.
 
     python tools/probes/barrier_models.py
 """
@@ -51,12 +52,16 @@ class Named:
 def run(n, seed, mutation=None):
     """One block of the staggered forward (`staggered_kernel`) over ``n`` pairs of 64-row blocks.
 
-    ``mutation`` breaks the protocol on purpose (the model must then raise): ``"flags_late"`` reads
+    Both consumers first count the pairs (their halves of the row's slots, into ``count_s``), and
+    every warpgroup reads the count after ``count_ready``.
+
+    ``mutation`` breaks the protocol on purpose (the model must then raise): ``"count_early"`` lets
+    the producer read the count without waiting for ``count_ready``, ``"flags_late"`` reads
     stage 0's validity flags after its first half is handed back, ``"no_p_sync"`` lets consumer 1
     read ``P_0`` without its named barrier, ``"free_early"`` hands stage 1's first half back before
     consumer 0's last product from it is waited for."""
     rnd = random.Random(seed)
-    B = dict(q_ready=Bar(3), l_ready=Bar(2),
+    B = dict(q_ready=Bar(3), l_ready=Bar(2), count_ready=Bar(2),
              kv_ready=[Bar(1) for _ in range(4)], kv_free=[Bar(1) for _ in range(4)],
              max_ready=[Bar(1), Bar(1)])
     P_READY = [Named("P_READY"), Named("P_READY + 1")]
@@ -65,6 +70,7 @@ def run(n, seed, mutation=None):
     valid = [Buf("valid_s[0]"), Buf("valid_s[1]")]
     q = Buf("q_s (Q, then the output)")
     p1 = Buf("P1"); m0 = Buf("max0"); m1 = Buf("max1"); l0 = Buf("l_s[0]"); l1 = Buf("l_s[1]")
+    counts = [Buf("count_s[0:4]"), Buf("count_s[4:8]")]  # each consumer's warps' pair counts
     idx = {"0L": 0, "0R": 1, "1L": 2, "1R": 3}
 
     def wait(bar, parity):
@@ -85,8 +91,15 @@ def run(n, seed, mutation=None):
     def write(buf, v): w_start(buf); w_end(buf, v)
     def read(buf, v): r_start(buf, v); r_end(buf, v)
 
+    def read_count():  # every warpgroup reads both consumers' counts after count_ready
+        if mutation != "count_early":
+            yield from wait(B["count_ready"], 0)
+        read(counts[0], n); read(counts[1], n)
+    def count(c):  # consumer c counts the pairs of its half of the slots
+        write(counts[c], n); B["count_ready"].arrive(); yield "ok"
     def producer():
         w_start(q); yield "tma"; w_end(q, "Q"); B["q_ready"].arrive()
+        yield from read_count()
         for it in range(n):
             for h in ("0L", "1R", "0R", "1L"):
                 yield from wait(B["kv_free"][idx[h]], (it & 1) ^ 1)
@@ -104,6 +117,7 @@ def run(n, seed, mutation=None):
         r_start(half["0L"], it); r_start(q, "Q")
         yield from wait(B["kv_ready"][1], it & 1); r_start(half["0R"], it); r_start(rope0, it)
     def wg0():
+        yield from count(0); yield from read_count()
         B["q_ready"].arrive(); yield from wait(B["q_ready"], 0)
         if n > 0:
             yield from scores0(0)
@@ -131,6 +145,7 @@ def run(n, seed, mutation=None):
         write(l0, 0); B["l_ready"].arrive(); yield from wait(B["l_ready"], 0); read(l1, 0)
         write(q, "O_L"); yield "stored"
     def wg1():
+        yield from count(1); yield from read_count()
         B["q_ready"].arrive(); yield from wait(B["q_ready"], 0)
         for it in range(n):
             yield from wait(B["kv_ready"][3], it & 1); read(valid[1], it); r_start(half["1R"], it); r_start(q, "Q")
@@ -218,7 +233,7 @@ if __name__ == "__main__":
         for seed in range(400):
             run(n, seed)
     print("staggered forward: no deadlock, no hazard for 0..6 pairs, 400 interleavings each")
-    for mutation in ("flags_late", "no_p_sync", "free_early"):
+    for mutation in ("count_early", "flags_late", "no_p_sync", "free_early"):
         caught = 0
         for seed in range(200):
             try:
