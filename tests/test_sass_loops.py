@@ -56,3 +56,15 @@ def test_report_lists_each_loop_with_its_mix():
     text = sass_loops.report(sass_loops.parse_sass(LISTING)[0], min_length=1, top=2)
     assert text.splitlines()[0] == "main_kernel: 15 instructions"
     assert "loop 0x0020-0x0090: 8 instructions, 1 MMA | FFMA.FTZ 2, BRA 2" in text  # the inner loop is inside
+
+
+def test_tails_are_the_code_after_outermost_loops_up_to_exit():
+    main = sass_loops.parse_sass(LISTING)[0]
+    # the outer loop ends at 0x90; 0xa0 (a forward branch) runs before the EXIT at 0xb0; the inner
+    # loop (0x40-0x70) lies inside the outer one and has no tail of its own
+    assert [(t.start, t.length, t.mix) for t in sass_loops.tails(main)] == [(0xa0, 1, {"BRA": 1})]
+    assert sass_loops.tails(main, min_length=9) == [], "no loop of 9 instructions"
+    assert [t.start for t in sass_loops.tails(main, min_length=8)] == [0xa0]
+    text = sass_loops.report(main, min_length=1, top=2, with_tails=True)
+    assert text.splitlines()[-1] == "  tail 0x00a0: 1 instructions to EXIT | BRA 1"
+    assert "tail" not in sass_loops.report(main, min_length=1, top=2)

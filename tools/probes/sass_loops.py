@@ -2,7 +2,7 @@
 instruction mix of each, to count what a kernel issues per tile without a GPU.
 
     python tools/probes/sass_loops.py indexer_fp8 [--kw '{"consumers": 3, "stages": 4}']
-    python tools/probes/sass_loops.py forward
+    python tools/probes/sass_loops.py forward [--tails]   # --tails: each role's epilogue too
     python tools/probes/sass_loops.py --binary flashmla_sparse_sm90.so [--function 0]   # any cubin or .so
     python tools/probes/sass_loops.py --sass listing.sass                               # a cuobjdump -sass listing
 
@@ -99,12 +99,46 @@ def loops(function: Function, min_length: int = 1) -> list[Loop]:
     return sorted(found, key=lambda loop: (loop.start, loop.end))
 
 
-def report(function: Function, min_length: int, top: int) -> str:
-    """One line per loop: addresses, length, MMA count, the ``top`` most common opcodes."""
+@dataclass
+class Tail:
+    start: int  # address of the first instruction after an outermost loop
+    length: int  # instructions from there up to the next ``EXIT``, not included
+    mix: dict[str, int]  # opcode -> count, most common first
+
+
+def tails(function: Function, min_length: int = 1) -> list[Tail]:
+    """The code after each outermost loop of at least ``min_length`` instructions up to the next
+    ``EXIT``: a role's epilogue, run once per block, whose cost shows in a kernel of one block per
+    SM as the gap before the next block starts (the loops' counts leave it out). Only a role's last
+    loop before an ``EXIT`` has a tail: not a loop inside another one, not one that another loop
+    follows, not one followed directly by ``EXIT``; shorter loops (a barrier's wait) are not counted
+    as loops here."""
+    code = function.code
+    index = {address: i for i, (address, _) in enumerate(code)}
+    found = loops(function, min_length)
+    outermost = [lp for lp in found if not any(o.start <= lp.start and lp.end <= o.end and o != lp for o in found)]
+    result = []
+    for loop in outermost:
+        after = code[index[loop.end] + 1:]
+        stop = next((i for i, (_, ins) in enumerate(after) if opcode(ins) == "EXIT"), len(after))
+        if stop == 0 or any(after[0][0] <= o.start < after[stop - 1][0] for o in outermost):
+            continue  # no tail, or another loop follows before the EXIT (the tail is that one's)
+        mix = collections.Counter(opcode(ins) for _, ins in after[:stop])
+        result.append(Tail(after[0][0], stop, dict(mix.most_common())))
+    return result
+
+
+def report(function: Function, min_length: int, top: int, with_tails: bool = False) -> str:
+    """One line per loop: addresses, length, MMA count, the ``top`` most common opcodes; with
+    ``with_tails``, one line per outermost loop's tail too (`tails`)."""
     lines = [f"{function.name[:100]}: {len(function.code)} instructions"]
     for loop in loops(function, min_length):
         mix = ", ".join(f"{op} {n}" for op, n in list(loop.mix.items())[:top])
         lines.append(f"  loop {loop.start:#06x}-{loop.end:#06x}: {loop.length} instructions, {loop.mma} MMA | {mix}")
+    if with_tails:
+        for tail in tails(function, min_length):
+            mix = ", ".join(f"{op} {n}" for op, n in list(tail.mix.items())[:top])
+            lines.append(f"  tail {tail.start:#06x}: {tail.length} instructions to EXIT | {mix}")
     return "\n".join(lines)
 
 
@@ -181,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--function", type=int, default=None, help="only this function of the listing (index)")
     parser.add_argument("--min-length", type=int, default=40, help="leave out shorter loops (default 40)")
     parser.add_argument("--top", type=int, default=10, help="opcodes shown per loop")
+    parser.add_argument("--tails", action="store_true", help="also the code after each outermost loop, up to EXIT")
     parser.add_argument("--cuobjdump", default=None)
     args = parser.parse_args(argv)
     if args.sass:
@@ -196,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name a kernel, or give --sass or --binary")
     functions = parse_sass(text)
     chosen = functions if args.function is None else [functions[args.function]]
-    print("\n".join(report(f, args.min_length, args.top) for f in chosen))
+    print("\n".join(report(f, args.min_length, args.top, args.tails) for f in chosen))
     return 0
 
 
