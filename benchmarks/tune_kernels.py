@@ -117,9 +117,10 @@ def tune_indexer_fp8(x, reps):
 
 def tune_forward(x, reps):
     from dsa_ref.kernels import sparse_mla_fwd as fwd
-    from dsa_ref.kernels.autograd import _block_counts, _pad_indices
+    from dsa_ref.kernels.autograd import _block_counts, _pad_indices, with_zero_row
 
     q, kv = x["q"], x["kv"]
+    kv_zero = with_zero_row(kv)  # [S + 1, D]
     idx = _pad_indices(x["idx"], 2 * fwd.BLOCK_I)
     counts = _block_counts(idx, 2 * fwd.BLOCK_I)  # pairs of 64-slot blocks
     flop = 2 * q.shape[0] * H * x["idx"].shape[1] * (DIM + DIM_V)
@@ -130,7 +131,9 @@ def tune_forward(x, reps):
                                 rows, "forward")
         if kernel is None:
             continue
-        args = (q, kv, idx) if kw.get("schedule") == "staggered" else (q, kv, idx, counts)  # it counts itself
+        # the staggered kernel counts its pairs itself and zero-fills -1 slots; the warp-specialised one
+        # reads the zero row the wrapper appends (`with_zero_row`) for them
+        args = (q, kv, idx) if kw.get("schedule") == "staggered" else (q, kv_zero, idx, counts)
         ms = cuda_time_ms(lambda: kernel(*args), reps=reps)
         out, lse = kernel(*args)
         if first is None:

@@ -63,7 +63,6 @@ BLOCK_KEYS = 64  # slots per step: the M of one warpgroup's tensor-core instruct
 THREADS = 128  # one warpgroup: a row of the [keys, heads] accumulator lives in 4 of its threads
 
 _PASS = {
-    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 }
@@ -107,7 +106,7 @@ def head_sum_probs_kernel(heads: int, dim: int, sm_scale: float, num_stages: int
             acc = T.alloc_fragment((BLOCK_KEYS, hb), f32)  # [keys, heads]
             row_sum = T.alloc_fragment((BLOCK_KEYS,), f32)  # [keys]
 
-            T.copy(Q[t, h0:h0 + hb, :], q_s)
+            T.copy(Q[t, h0:h0 + hb, :], q_s, disable_tma=True)
             for h in T.Parallel(hb):
                 lse_s[h] = Lse2[t, h0 + h]
 

@@ -67,7 +67,6 @@ BLOCK = 64  # selected slots per step
 
 _PASS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 }
 
 
@@ -108,8 +107,8 @@ def selected_scores_kernel(heads: int, dim: int, relu: bool = True):
             logits = T.alloc_fragment((BLOCK, heads), f32)  # [slots, heads]
             row = T.alloc_fragment((BLOCK,), f32)
 
-            T.copy(Q[t, :, :], q_s)
-            T.copy(W[t, :], w_s)
+            T.copy(Q[t, :, :], q_s, disable_tma=True)
+            T.copy(W[t, :], w_s, disable_tma=True)
             n_steps = T.ceildiv(topk, BLOCK)
             n_blocks = T.min(NumBlocks[t], n_steps)
 
@@ -180,8 +179,8 @@ def indexer_backward_kernel(heads: int, dim: int, relu: bool = True):
             acc_dk = T.alloc_fragment((BLOCK, dim), f32)
             dw = T.alloc_fragment((heads,), f32)
 
-            T.copy(Q[t, :, :], q_s)
-            T.copy(W[t, :], w_s)
+            T.copy(Q[t, :, :], q_s, disable_tma=True)
+            T.copy(W[t, :], w_s, disable_tma=True)
             T.clear(acc_dq)
             T.clear(acc_dw)
             n_blocks = T.min(NumBlocks[t], T.ceildiv(topk, BLOCK))

@@ -40,8 +40,7 @@ import tilelang.language as T
 from ._target import compile_target
 from .indexer_fwd_ws import check_indexer_sizes, score_prim_func
 
-_PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,  # the roles are written out here
-         tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}  # and so are the bulk copies
+_PASS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}  # the roles and bulk copies are written out here
 
 BLOCK_Q = 2  # queries per pair: the GEMM's N = 2 H_I
 SUB = 64  # keys per consumer per stage: one warpgroup MMA's M

@@ -35,7 +35,6 @@ SPLIT = 4  # the [32, 576] fp32 dKV tile is staged through shared memory in quar
 def _pass_configs(fast_math: bool, bounds_checks: bool) -> dict:
     return {
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math,
         # With a runtime K TileLang cannot prove ``blk * 32 + i < K`` and guards every load of
         # Indices; the wrapper guarantees it (K is padded to a multiple of 32, and every index is
@@ -242,9 +241,9 @@ def backward_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, fast_m
                 acc_dkv = T.alloc_fragment((BLOCK_S, dim_v), f32)  # [32, D_v]
                 acc_dkv_tail = T.alloc_fragment((BLOCK_S, dim_tail), f32)
 
-            T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v])
-            T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:])
-            T.copy(dO[t, h0:h0 + hb, :], do_s)
+            T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v], disable_tma=True)
+            T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:], disable_tma=True)
+            T.copy(dO[t, h0:h0 + hb, :], do_s, disable_tma=True)
             T.clear(acc_dq)
             T.clear(acc_dq_tail)
             if prefetch:

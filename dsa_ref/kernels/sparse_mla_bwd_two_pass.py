@@ -44,7 +44,6 @@ BUFFER_BYTES = 1 << 30  # default budget for the P and dS buffers of one chunk o
 
 _PASS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
     # the wrapper pads K to a multiple of 64 and the indices are in [-1, S): no guards needed
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
@@ -120,9 +119,9 @@ def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str 
             acc_dq = T.alloc_fragment((hb, dim_v), f32)
             acc_dq_tail = T.alloc_fragment((hb, dim_tail), f32)
 
-            T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v])
-            T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:])
-            T.copy(dO[t, h0:h0 + hb, :], do_s)
+            T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v], disable_tma=True)
+            T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:], disable_tma=True)
+            T.copy(dO[t, h0:h0 + hb, :], do_s, disable_tma=True)
             T.clear(acc_dq)
             T.clear(acc_dq_tail)
             n = NumBlocks[t]
@@ -158,8 +157,9 @@ def dq_kernel(heads: int, dim: int, dim_v: int, sm_scale: float, *, policy: str 
                 # dQ += dS K
                 mm(ds_s, v_s[st, :, :], acc_dq, policy=warp_policy)
                 mm(ds_s, tail_s[st, :, :], acc_dq_tail, policy=warp_policy)
-                T.copy(p_s, P[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S])  # while dQ's MMAs run
-                T.copy(ds_s, dS[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S])
+                # P and dS out while dQ's MMAs run
+                T.copy(p_s, P[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S], disable_tma=True)
+                T.copy(ds_s, dS[t, h0:h0 + hb, blk * BLOCK_S:(blk + 1) * BLOCK_S], disable_tma=True)
                 if batch_waits:  # ds_s and this buffer are read by the dQ products until here
                     T.wait_wgmma(0)
                 T.sync_threads()  # this buffer is refilled at the top of the step after next

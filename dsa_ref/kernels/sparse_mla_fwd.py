@@ -72,7 +72,6 @@ __device__ __forceinline__ void dsa_cp_async_zfill_16(void* smem, const void* gm
 """
 
 _PASS_SIMPLE = {
-    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
     # K is a runtime size, so TileLang would guard every load of Indices with ``slot < K``; the
@@ -133,8 +132,8 @@ def simple_kernel(heads: int, dim: int, dim_v: int, sm_scale: float,
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -(2.0**30))  # finite: masked -inf scores then give exp2(-inf) = 0, never NaN
-            T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v])
-            T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:])
+            T.copy(Q[t, h0:h0 + hb, :dim_v], q_s[:, :dim_v], disable_tma=True)
+            T.copy(Q[t, h0:h0 + hb, dim_v:], q_s[:, dim_v:], disable_tma=True)
 
             for blk in T.Pipelined(NumBlocks[t], num_stages=num_stages,
                                    annotations={"pragma_unroll_explicit": True}):
