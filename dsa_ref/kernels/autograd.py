@@ -115,7 +115,9 @@ class SparseMLAFunction(torch.autograd.Function):
                 index_dtype = torch.int64
             kernel = fwd.staggered_kernel(H, D, d_v, float(sm_scale), str(index_dtype).removeprefix("torch."))
             kv_rows = kv if kv.shape[0] else with_zero_row(kv)  # [S, D]: a -1 slot's copies zero-fill its row
+            counts_inside = True  # it counts each row's pairs itself
         else:
+            counts_inside = False
             if schedule == "warp_specialized" and H % 64 == 0:
                 step = 2 * fwd.BLOCK_I
                 kernel = fwd.warp_specialized_kernel(H, D, d_v, float(sm_scale))
@@ -124,10 +126,8 @@ class SparseMLAFunction(torch.autograd.Function):
                 kernel = fwd.simple_kernel(H, D, d_v, float(sm_scale))
             kv_rows = with_zero_row(kv)  # [S + 1, D]: -1 slots read the zero row
         idx = _pad_indices(indices, step, index_dtype)  # [T, K'] int32 or int64
-        if schedule == "staggered" and H % 64 == 0:  # counts each row's pairs itself
-            out, lse = kernel(q, kv_rows, idx)
-        else:
-            out, lse = kernel(q, kv_rows, idx, _block_counts(idx, step))
+        counts = () if counts_inside else (_block_counts(idx, step),)  # [T] int32
+        out, lse = kernel(q, kv_rows, idx, *counts)
         ctx.save_for_backward(q, kv, idx, out, lse)
         ctx.sm_scale, ctx.d_v, ctx.backward = float(sm_scale), d_v, backward
         return out, lse
