@@ -164,8 +164,9 @@ def kernel_source(name: str, kw: dict) -> str:
     return kernel.get_kernel_source()
 
 
-def compile_to_sass(source: str, cuobjdump: str, workdir: Path) -> tuple[str, str]:
-    """``(sass, ptxas_info)`` of a TileLang CUDA source: ``nvcc -cubin`` for sm_90a, then ``cuobjdump -sass``."""
+def compile_cubin(source: str, workdir: Path) -> tuple[Path, str]:
+    """``(cubin, ptxas_info)`` of a TileLang CUDA source: ``nvcc -cubin -Xptxas -v`` for sm_90a; the info
+    is ptxas's lines (registers, spills, and its advisories such as ``(C7515)``)."""
     import tilelang
 
     package = Path(tilelang.__file__).parent
@@ -177,6 +178,12 @@ def compile_to_sass(source: str, cuobjdump: str, workdir: Path) -> tuple[str, st
     if nvcc.returncode:
         raise RuntimeError(f"nvcc failed:\n{nvcc.stderr[-4000:]}")
     info = "\n".join(line.strip() for line in nvcc.stderr.splitlines() if "ptxas info" in line or "spill" in line)
+    return cubin, info
+
+
+def compile_to_sass(source: str, cuobjdump: str, workdir: Path) -> tuple[str, str]:
+    """``(sass, ptxas_info)`` of a TileLang CUDA source: `compile_cubin`, then ``cuobjdump -sass``."""
+    cubin, info = compile_cubin(source, workdir)
     return disassemble(cubin, cuobjdump), info
 
 
