@@ -219,7 +219,9 @@ def masked_softmax_with_lse(scores: torch.Tensor, valid: torch.Tensor | None
 
     Returns:
         ``(probs [..., K], lse [...])``. Invalid entries get probability 0; a row with no valid entry
-        gets all-zero probabilities and ``lse = -inf``; gradients stay finite (no ``0 * inf``).
+        gets all-zero probabilities and ``lse = -inf``; gradients stay finite (no ``0 * inf``). A NaN
+        score at a valid entry makes its row's probabilities and ``lse`` NaN (it is not taken for an
+        empty row); NaN at invalid entries changes nothing.
     """
     if valid is not None:
         scores = scores.masked_fill(~valid, float("-inf"))
@@ -231,10 +233,10 @@ def masked_softmax_with_lse(scores: torch.Tensor, valid: torch.Tensor | None
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     unnormalised = torch.exp(scores - row_max)  # [..., K], exactly 0 where invalid
     total = unnormalised.sum(dim=-1, keepdim=True)  # [..., 1]
-    nonempty = total > 0
-    safe_total = torch.where(nonempty, total, torch.ones_like(total))  # log/divide only where defined
+    empty = total == 0  # no valid entry; a NaN score among the valid ones is no emptiness: it stays NaN
+    safe_total = torch.where(empty, torch.ones_like(total), total)  # log/divide only where defined
     probs = unnormalised / safe_total  # [..., K]
-    lse = torch.where(nonempty, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
+    lse = torch.where(empty, torch.full_like(total, float("-inf")), row_max + torch.log(safe_total))
     return probs, lse.squeeze(-1)
 
 

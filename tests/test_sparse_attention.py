@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dsa_ref.absorbed_mla import AbsorbedMLA, apply_w_uv
-from dsa_ref.attention import dense_mla_attention
+from dsa_ref.attention import dense_mla_attention, windowed_attention
 from dsa_ref.config import tiny
 from dsa_ref.indexer import topk_indices
 from dsa_ref.layout import key_windows, positions
@@ -156,6 +156,27 @@ def test_empty_rows_out_zero_lse_minus_inf_finite_grads(chunk_size):
     # keys nobody selects get no gradient
     assert torch.equal(kv.grad[[3, 4]], torch.zeros_like(kv.grad[[3, 4]]))
     assert kv.grad[[0, 1, 2, 5]].abs().sum(-1).min() > 0
+
+
+def test_a_nan_read_from_a_selected_row_reaches_out_and_lse():
+    """A NaN in a *selected* row of ``kv`` makes ``out`` and ``lse`` NaN for every query that
+    selects it (such a row is not empty: its LSE is not ``-inf``), sparse and dense alike; queries
+    that do not select it, and empty rows, are as without it."""
+    T, S, H, D = 6, 7, 2, 8
+    q, kv, _ = make(T, S, H, D, seed=9)
+    idx = torch.tensor([[0, 3, -1], [1, 2, 4], [3, 3, -1], [-1, -1, -1], [5, 6, 0], [2, -1, 1]])
+    clean_out, clean_lse = sparse_mla(q, kv, idx, sm_scale=0.3, d_v=6)
+    kv = kv.detach().clone()
+    kv[3, 2] = float("nan")
+    reads = (idx == 3).any(dim=1)  # queries 0 and 2
+    for chunk_size in (None, 2):
+        out, lse = sparse_mla(q, kv, idx, sm_scale=0.3, d_v=6, chunk_size=chunk_size)
+        assert bool(torch.isnan(out[reads]).all()) and bool(torch.isnan(lse[reads]).all())
+        assert torch.equal(out[~reads], clean_out[~reads]) and torch.equal(lse[~reads], clean_lse[~reads])
+        assert bool(torch.isneginf(lse[3]).all())  # the empty row stays empty
+    # the dense form (every query's window is every key, so every query reads row 3)
+    out_d, lse_d = windowed_attention(q, kv, kv[:, :6], sm_scale=0.3)  # MQA: one key row for all heads
+    assert bool(torch.isnan(out_d).all()) and bool(torch.isnan(lse_d).all())
 
 
 def test_all_rows_empty_and_bf16_empty_rows():
