@@ -68,3 +68,34 @@ def test_tails_are_the_code_after_outermost_loops_up_to_exit():
     text = sass_loops.report(main, min_length=1, top=2, with_tails=True)
     assert text.splitlines()[-1] == "  tail 0x00a0: 1 instructions to EXIT | BRA 1"
     assert "tail" not in sass_loops.report(main, min_length=1, top=2)
+
+
+def test_mma_shapes_operand_sources_and_shared_memory_ceilings():
+    ss = sass_loops.mma_shape("HGMMA.64x16x16.F32.BF16 R24, gdesc[UR8], R24, gsb0")
+    assert (ss.kind, ss.m, ss.n, ss.k, ss.a_in_registers) == ("HGMMA", 64, 16, 16, False)
+    assert ss.smem_bytes == (64 * 16 + 16 * 16) * 2 and ss.macs == 16384
+    assert abs(ss.ceiling - 0.4) < 1e-12  # 128 B a clock / (2560 B per 16384 MAC at 2048 MAC a clock)
+    wide = sass_loops.mma_shape("HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], R24")
+    assert abs(wide.ceiling - 2 / 3) < 1e-12
+    rs = sass_loops.mma_shape("@P0 HGMMA.64x256x16.F32.BF16 R24, R152, gdesc[UR8].tnspB, R24")
+    assert rs.a_in_registers and rs.smem_bytes == 16 * 256 * 2 and rs.ceiling == 1.0
+    fp8 = sass_loops.mma_shape("QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT")
+    assert (fp8.kind, fp8.a_bytes, fp8.b_bytes, fp8.smem_bytes) == ("QGMMA", 1, 1, 64 * 32 + 128 * 32)
+    assert fp8.ceiling == 1.0 and str(fp8) == "QGMMA.64x128x32 SS"
+    assert sass_loops.mma_shape("FFMA.FTZ R3, R2, R4, R3") is None
+
+
+def test_report_with_mma_gives_each_loops_shapes_and_ceiling():
+    main = sass_loops.parse_sass(LISTING)[0]
+    outer, inner = sass_loops.loops(main)
+    assert [(str(s), n) for s, n in sass_loops.mma_mix(main, outer)] == [("QGMMA.64x128x32 SS", 1)]
+    assert sass_loops.mma_mix(main, inner) == []
+    slow, fast = sass_loops.mma_shape("HGMMA.64x16x16.F32.BF16 R24, gdesc[UR8], R24"), \
+        sass_loops.mma_shape("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24")
+    # 68 slow products of 16 K MAC at 40 % and 2 of 256 K at 100 %: time at full rate / time capped
+    full, capped = 68 * 16384 + 2 * 262144, 68 * 16384 / 0.4 + 2 * 262144
+    assert abs(sass_loops.mma_ceiling([(slow, 68), (fast, 2)]) - full / capped) < 1e-12
+    text = sass_loops.report(main, min_length=1, top=2, with_mma=True)
+    assert "    QGMMA.64x128x32 SS x1: 6144 B of shared memory per 262144 multiply-adds, at most 100% of" in text
+    assert "    the loop's MMAs: at most 100% of the tensor cores' rate" in text
+    assert "shared memory" not in sass_loops.report(main, min_length=1, top=2)

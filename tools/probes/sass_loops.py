@@ -5,6 +5,7 @@ instruction mix of each, to count what a kernel issues per tile without a GPU.
     python tools/probes/sass_loops.py forward [--tails]   # --tails: each role's epilogue too
     python tools/probes/sass_loops.py --binary flashmla_sparse_sm90.so [--function 0]   # any cubin or .so
     python tools/probes/sass_loops.py --sass listing.sass                               # a cuobjdump -sass listing
+    python tools/probes/sass_loops.py --binary pass_a.cubin --mma                        # + each loop's MMA shapes
 
 Kernels: ``indexer`` and ``indexer_fp8`` (the persistent schedule the wrappers run, 64 heads,
 ``--kw`` for other knobs), ``forward`` (the staggered sparse MLA forward, 128 heads, int64
@@ -20,6 +21,13 @@ on most passes, as the branches of a pair boundary do, counts it anyway).
 Nested loops are listed each on its own, so an outer loop's length includes its inner ones. Counts
 are per warp and per pass: a warp-specialised kernel's roles are separate loops (find them by their
 instruction mix).
+
+``--mma`` adds, per loop, its warpgroup MMA shapes, where their ``A`` operand comes from (shared
+memory, ``SS``, or registers, ``RS``; ``B`` is always in shared memory), the bytes each reads from
+shared memory per multiply-add, and what that allows: a model in which shared memory delivers
+`SMEM_BYTES_PER_CLOCK` bytes a clock to an SM whose tensor cores do `MAC_PER_CLOCK` multiply-adds
+a clock (Hopper, dense). A ``64x16x16`` bf16 product with both operands in shared memory reads
+2.5 KB for 16 K multiply-adds, 2.5 times what it may: at most 40 % of the tensor cores' rate.
 """
 
 from __future__ import annotations
@@ -128,18 +136,88 @@ def tails(function: Function, min_length: int = 1) -> list[Tail]:
     return result
 
 
-def report(function: Function, min_length: int, top: int, with_tails: bool = False) -> str:
+def report(function: Function, min_length: int, top: int, with_tails: bool = False, with_mma: bool = False) -> str:
     """One line per loop: addresses, length, MMA count, the ``top`` most common opcodes; with
-    ``with_tails``, one line per outermost loop's tail too (`tails`)."""
+    ``with_tails``, one line per outermost loop's tail too (`tails`); with ``with_mma``, a line per
+    MMA shape of each loop (`mma_mix`) and the loop's shared-memory ceiling (`mma_ceiling`)."""
     lines = [f"{function.name[:100]}: {len(function.code)} instructions"]
     for loop in loops(function, min_length):
         mix = ", ".join(f"{op} {n}" for op, n in list(loop.mix.items())[:top])
         lines.append(f"  loop {loop.start:#06x}-{loop.end:#06x}: {loop.length} instructions, {loop.mma} MMA | {mix}")
+        shapes = mma_mix(function, loop) if with_mma else []
+        for shape, n in shapes:
+            lines.append(f"    {shape} x{n}: {shape.smem_bytes} B of shared memory per {shape.macs} multiply-adds, "
+                         f"at most {shape.ceiling:.0%} of the tensor cores' rate")
+        if shapes:
+            lines.append(f"    the loop's MMAs: at most {mma_ceiling(shapes):.0%} of the tensor cores' rate")
     if with_tails:
         for tail in tails(function, min_length):
             mix = ", ".join(f"{op} {n}" for op, n in list(tail.mix.items())[:top])
             lines.append(f"  tail {tail.start:#06x}: {tail.length} instructions to EXIT | {mix}")
     return "\n".join(lines)
+
+
+SMEM_BYTES_PER_CLOCK = 128  # shared memory per SM per clock (H100 / H200: about 31 TB/s over 132 SMs)
+MAC_PER_CLOCK = {"HGMMA": 2048, "QGMMA": 4096, "IGMMA": 4096}  # dense, per SM per clock: bf16/fp16, fp8, int8
+ELEMENT_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1, "U8": 1}
+_MMA = re.compile(r"^([HQI]GMMA)\.(\d+)x(\d+)x(\d+)\.[A-Z0-9]+\.([A-Z0-9]+)(?:\.([A-Z0-9]+))?")
+
+
+@dataclass(frozen=True)
+class MmaShape:
+    kind: str  # HGMMA (bf16 / fp16 / tf32), QGMMA (fp8), IGMMA (int8)
+    m: int
+    n: int
+    k: int
+    a_in_registers: bool  # RS (A from registers) or SS (both from shared memory)
+    a_bytes: int  # bytes of one A element
+    b_bytes: int
+
+    @property
+    def macs(self) -> int:
+        return self.m * self.n * self.k
+
+    @property
+    def smem_bytes(self) -> int:
+        """Bytes read from shared memory per instruction: ``B`` (``k x n``), and ``A`` (``m x k``) for SS."""
+        return self.k * self.n * self.b_bytes + (0 if self.a_in_registers else self.m * self.k * self.a_bytes)
+
+    @property
+    def ceiling(self) -> float:
+        """The largest share of the tensor cores' rate shared memory allows this shape (the model)."""
+        return min(1.0, SMEM_BYTES_PER_CLOCK * self.macs / (MAC_PER_CLOCK[self.kind] * self.smem_bytes))
+
+    def __str__(self) -> str:
+        return f"{self.kind}.{self.m}x{self.n}x{self.k} {'RS' if self.a_in_registers else 'SS'}"
+
+
+def mma_shape(instruction: str) -> MmaShape | None:
+    """The `MmaShape` of a warpgroup MMA instruction (``HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], R24``),
+    ``None`` for any other instruction."""
+    words = instruction.split(None, 2) if instruction.startswith("@") else [None, *instruction.split(None, 1)]
+    m = _MMA.match(words[1] or "")
+    if not m:
+        return None
+    kind, mm, n, k, a_type, b_type = m.groups()
+    operands = [o.strip() for o in (words[2] if len(words) > 2 else "").split(",")]
+    a_in_registers = len(operands) > 1 and not operands[1].startswith("gdesc")
+    return MmaShape(kind, int(mm), int(n), int(k), a_in_registers, ELEMENT_BYTES[a_type],
+                    ELEMENT_BYTES[b_type or a_type])
+
+
+def mma_mix(function: Function, loop: Loop) -> list[tuple[MmaShape, int]]:
+    """The warpgroup MMA shapes of a loop and how many of each, most multiply-adds first."""
+    index = {address: i for i, (address, _) in enumerate(function.code)}
+    body = function.code[index[loop.start]:index[loop.end] + 1]
+    found = collections.Counter(filter(None, (mma_shape(ins) for _, ins in body)))
+    return sorted(found.items(), key=lambda item: -item[0].macs * item[1])
+
+
+def mma_ceiling(mix: list[tuple[MmaShape, int]]) -> float:
+    """The loop's MMAs together: their time at the full rate over their time at each shape's ceiling."""
+    full = sum(shape.macs * n / MAC_PER_CLOCK[shape.kind] for shape, n in mix)
+    capped = sum(shape.macs * n / (MAC_PER_CLOCK[shape.kind] * shape.ceiling) for shape, n in mix)
+    return full / capped if capped else 1.0
 
 
 def kernel_source(name: str, kw: dict) -> str:
@@ -223,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-length", type=int, default=40, help="leave out shorter loops (default 40)")
     parser.add_argument("--top", type=int, default=10, help="opcodes shown per loop")
     parser.add_argument("--tails", action="store_true", help="also the code after each outermost loop, up to EXIT")
+    parser.add_argument("--mma", action="store_true", help="also each loop's MMA shapes and their shared-memory ceiling")
     parser.add_argument("--cuobjdump", default=None)
     args = parser.parse_args(argv)
     if args.sass:
@@ -238,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name a kernel, or give --sass or --binary")
     functions = parse_sass(text)
     chosen = functions if args.function is None else [functions[args.function]]
-    print("\n".join(report(f, args.min_length, args.top, args.tails) for f in chosen))
+    print("\n".join(report(f, args.min_length, args.top, args.tails, args.mma) for f in chosen))
     return 0
 
 
