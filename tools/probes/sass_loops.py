@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -54,6 +55,11 @@ _BRANCH_TARGET = re.compile(r"\bBRA\s+(?:`\()?(?:\S+,\s*)?(0x[0-9a-f]+)")
 class Function:
     name: str
     code: list[tuple[int, str]] = field(default_factory=list)  # (address, instruction) in order
+
+    @functools.cached_property
+    def index(self) -> dict[int, int]:
+        """Address -> position in ``code`` (read once the listing is parsed)."""
+        return {address: i for i, (address, _) in enumerate(self.code)}
 
 
 @dataclass
@@ -86,8 +92,7 @@ def opcode(instruction: str) -> str:
 
 def loops(function: Function, min_length: int = 1) -> list[Loop]:
     """Every backward branch before the function's last ``EXIT``, as a `Loop`, by start address."""
-    code = function.code
-    index = {address: i for i, (address, _) in enumerate(code)}
+    code, index = function.code, function.index
     exits = [i for i, (_, ins) in enumerate(code) if opcode(ins) == "EXIT"]
     last = exits[-1] if exits else len(code)
     found = []
@@ -121,8 +126,7 @@ def tails(function: Function, min_length: int = 1) -> list[Tail]:
     loop before an ``EXIT`` has a tail: not a loop inside another one, not one that another loop
     follows, not one followed directly by ``EXIT``; shorter loops (a barrier's wait) are not counted
     as loops here."""
-    code = function.code
-    index = {address: i for i, (address, _) in enumerate(code)}
+    code, index = function.code, function.index
     found = loops(function, min_length)
     outermost = [lp for lp in found if not any(o.start <= lp.start and lp.end <= o.end and o != lp for o in found)]
     result = []
@@ -134,27 +138,6 @@ def tails(function: Function, min_length: int = 1) -> list[Tail]:
         mix = collections.Counter(opcode(ins) for _, ins in after[:stop])
         result.append(Tail(after[0][0], stop, dict(mix.most_common())))
     return result
-
-
-def report(function: Function, min_length: int, top: int, with_tails: bool = False, with_mma: bool = False) -> str:
-    """One line per loop: addresses, length, MMA count, the ``top`` most common opcodes; with
-    ``with_tails``, one line per outermost loop's tail too (`tails`); with ``with_mma``, a line per
-    MMA shape of each loop (`mma_mix`) and the loop's shared-memory ceiling (`mma_ceiling`)."""
-    lines = [f"{function.name[:100]}: {len(function.code)} instructions"]
-    for loop in loops(function, min_length):
-        mix = ", ".join(f"{op} {n}" for op, n in list(loop.mix.items())[:top])
-        lines.append(f"  loop {loop.start:#06x}-{loop.end:#06x}: {loop.length} instructions, {loop.mma} MMA | {mix}")
-        shapes = mma_mix(function, loop) if with_mma else []
-        for shape, n in shapes:
-            lines.append(f"    {shape} x{n}: {shape.smem_bytes} B of shared memory per {shape.macs} multiply-adds, "
-                         f"at most {shape.ceiling:.0%} of the tensor cores' rate")
-        if shapes:
-            lines.append(f"    the loop's MMAs: at most {mma_ceiling(shapes):.0%} of the tensor cores' rate")
-    if with_tails:
-        for tail in tails(function, min_length):
-            mix = ", ".join(f"{op} {n}" for op, n in list(tail.mix.items())[:top])
-            lines.append(f"  tail {tail.start:#06x}: {tail.length} instructions to EXIT | {mix}")
-    return "\n".join(lines)
 
 
 SMEM_BYTES_PER_CLOCK = 128  # shared memory per SM per clock (H100 / H200: about 31 TB/s over 132 SMs)
@@ -194,21 +177,19 @@ class MmaShape:
 def mma_shape(instruction: str) -> MmaShape | None:
     """The `MmaShape` of a warpgroup MMA instruction (``HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], R24``),
     ``None`` for any other instruction."""
-    words = instruction.split(None, 2) if instruction.startswith("@") else [None, *instruction.split(None, 1)]
-    m = _MMA.match(words[1] or "")
+    m = _MMA.match(opcode(instruction))
     if not m:
         return None
     kind, mm, n, k, a_type, b_type = m.groups()
-    operands = [o.strip() for o in (words[2] if len(words) > 2 else "").split(",")]
-    a_in_registers = len(operands) > 1 and not operands[1].startswith("gdesc")
+    operands = instruction.split(m.group(0), 1)[1].split(",")  # the accumulator, then A
+    a_in_registers = len(operands) > 1 and not operands[1].strip().startswith("gdesc")
     return MmaShape(kind, int(mm), int(n), int(k), a_in_registers, ELEMENT_BYTES[a_type],
                     ELEMENT_BYTES[b_type or a_type])
 
 
 def mma_mix(function: Function, loop: Loop) -> list[tuple[MmaShape, int]]:
     """The warpgroup MMA shapes of a loop and how many of each, most multiply-adds first."""
-    index = {address: i for i, (address, _) in enumerate(function.code)}
-    body = function.code[index[loop.start]:index[loop.end] + 1]
+    body = function.code[function.index[loop.start]:function.index[loop.end] + 1]
     found = collections.Counter(filter(None, (mma_shape(ins) for _, ins in body)))
     return sorted(found.items(), key=lambda item: -item[0].macs * item[1])
 
@@ -218,6 +199,27 @@ def mma_ceiling(mix: list[tuple[MmaShape, int]]) -> float:
     full = sum(shape.macs * n / MAC_PER_CLOCK[shape.kind] for shape, n in mix)
     capped = sum(shape.macs * n / (MAC_PER_CLOCK[shape.kind] * shape.ceiling) for shape, n in mix)
     return full / capped if capped else 1.0
+
+
+def report(function: Function, min_length: int, top: int, with_tails: bool = False, with_mma: bool = False) -> str:
+    """One line per loop: addresses, length, MMA count, the ``top`` most common opcodes; with
+    ``with_tails``, one line per outermost loop's tail too (`tails`); with ``with_mma``, a line per
+    MMA shape of each loop (`mma_mix`) and the loop's shared-memory ceiling (`mma_ceiling`)."""
+    lines = [f"{function.name[:100]}: {len(function.code)} instructions"]
+    for loop in loops(function, min_length):
+        mix = ", ".join(f"{op} {n}" for op, n in list(loop.mix.items())[:top])
+        lines.append(f"  loop {loop.start:#06x}-{loop.end:#06x}: {loop.length} instructions, {loop.mma} MMA | {mix}")
+        shapes = mma_mix(function, loop) if with_mma else []
+        for shape, n in shapes:
+            lines.append(f"    {shape} x{n}: {shape.smem_bytes} B of shared memory per {shape.macs} multiply-adds, "
+                         f"at most {shape.ceiling:.0%} of the tensor cores' rate")
+        if shapes:
+            lines.append(f"    the loop's MMAs: at most {mma_ceiling(shapes):.0%} of the tensor cores' rate")
+    if with_tails:
+        for tail in tails(function, min_length):
+            mix = ", ".join(f"{op} {n}" for op, n in list(tail.mix.items())[:top])
+            lines.append(f"  tail {tail.start:#06x}: {tail.length} instructions to EXIT | {mix}")
+    return "\n".join(lines)
 
 
 def kernel_source(name: str, kw: dict) -> str:
